@@ -1,0 +1,1 @@
+"""Ray actors of kvmesh: workers (one engine each), and later the index and router actors."""

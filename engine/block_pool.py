@@ -1,0 +1,218 @@
+"""The paged KV block pool: allocation, refcounts, the prefix cache and its events.
+
+A block holds the KV of ``block_size`` consecutive tokens of one sequence. A *full* block can be
+registered in the prefix cache under its chain hash (see ``hash_block``); another request whose
+prompt produces the same hash reuses it instead of recomputing it.
+
+Invariants:
+  * every block is in exactly one state: free (no hash, refcount 0, in ``_free``),
+    cached-evictable (hash, refcount 0, owned by the eviction policy), or in use (refcount > 0);
+  * a block's hash never changes while it is cached; ``_cached[h].block_hash == h``;
+  * ``num_free_blocks()`` = free + cached-evictable blocks = blocks an allocation can get.
+Side effects on the prefix cache become data: ``take_events()`` drains stored/removed events
+(published in batches to the global index).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from policies.eviction import TenantEvictionPolicy
+
+BlockHash = bytes
+TenantId = str
+ROOT_HASH: BlockHash = b"\x00" * 16
+
+
+def hash_block(parent: BlockHash | None, tokens: Sequence[int], extra: bytes) -> BlockHash:
+    """Stable chain hash of a full block: H(parent, tokens, extra keys), 16 bytes of sha256.
+
+    ``extra`` carries the model id and the share domain, so blocks of different models or of
+    isolated tenants never collide.
+    """
+    h = hashlib.sha256(parent or ROOT_HASH)
+    h.update(struct.pack(f"<{len(tokens)}I", *tokens))
+    h.update(extra)
+    return h.digest()[:16]
+
+
+def hash_blocks(tokens: Sequence[int], block_size: int, extra: bytes, parent: BlockHash | None = None) -> list[BlockHash]:
+    """Chain hashes of every full block of ``tokens``."""
+    out: list[BlockHash] = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash_block(parent, tokens[start : start + block_size], extra)
+        out.append(parent)
+    return out
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    parent_hash: BlockHash | None = None
+    owner: TenantId | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockEvent:
+    """A change of the prefix cache: kind is 'stored' or 'removed'."""
+
+    kind: str
+    block_hash: BlockHash
+    parent_hash: BlockHash | None = None
+    domain: str | None = None
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+@dataclass
+class TenantCacheStats:
+    evictions: int = 0
+    stored: int = 0
+
+
+class BlockPool:
+    """Fixed pool of KV blocks with a hash → block prefix cache and pluggable eviction."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        eviction: TenantEvictionPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives lowest id first
+        self._cached: dict[BlockHash, Block] = {}
+        self._domain: dict[BlockHash, str] = {}
+        self.eviction = eviction or TenantEvictionPolicy()
+        self.clock = clock
+        self._events: list[BlockEvent] = []
+        self.stats: dict[TenantId, TenantCacheStats] = {}
+
+    # -- queries ---------------------------------------------------------------------------
+    def num_free_blocks(self) -> int:
+        return len(self._free) + self.eviction.num_evictable()
+
+    def get_cached_block(self, block_hash: BlockHash) -> Block | None:
+        return self._cached.get(block_hash)
+
+    def cached_hashes(self) -> list[tuple[BlockHash, BlockHash | None, str | None]]:
+        """Snapshot of the prefix cache (for rebuilding a global index)."""
+        return [(h, b.parent_hash, self._domain.get(h)) for h, b in self._cached.items()]
+
+    def _tenant_stats(self, tenant: TenantId) -> TenantCacheStats:
+        return self.stats.setdefault(tenant, TenantCacheStats())
+
+    # -- verbs -----------------------------------------------------------------------------
+    def allocate(self, n: int, tenant: TenantId) -> list[Block]:
+        """Take ``n`` blocks (refcount 1), evicting cached blocks chosen by the policy."""
+        if n > self.num_free_blocks():
+            raise NoFreeBlocks(f"need {n} blocks, {self.num_free_blocks()} free")
+        out: list[Block] = []
+        now = self.clock()
+        try:
+            for _ in range(n):
+                if not self._free:
+                    victim = self.eviction.pop_victim(tenant, now)
+                    if victim is None:
+                        raise NoFreeBlocks("no evictable block for this tenant")
+                    self._evict(self.blocks[victim])
+                block = self.blocks[self._free.pop()]
+                block.ref_cnt = 1
+                out.append(block)
+        except NoFreeBlocks:
+            self.free(out)
+            raise
+        return out
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free_blocks()
+
+    def touch(self, blocks: Sequence[Block]) -> None:
+        """Take a reference on cache-hit blocks (removing them from the evictable set)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.eviction.on_acquired(block.block_id)
+            block.ref_cnt += 1
+
+    def free(self, blocks: Sequence[Block]) -> None:
+        """Drop one reference on each block; tail blocks first so they are evicted first."""
+        now = self.clock()
+        for block in reversed(blocks):
+            if block.ref_cnt <= 0:
+                raise AssertionError(f"double free of block {block.block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt:
+                continue
+            if block.block_hash is None:
+                self._free.append(block.block_id)
+            else:
+                self.eviction.on_released(block.block_id, now)
+        self._enforce_caps({b.owner for b in blocks if b.owner is not None})
+
+    def cache_full_block(
+        self, block: Block, block_hash: BlockHash, parent: BlockHash | None, owner: TenantId, domain: str
+    ) -> bool:
+        """Register a full, in-use block under ``block_hash``. False if that hash is cached already
+        (another request computed it concurrently): the block then stays private."""
+        if block.block_hash is not None:
+            return block.block_hash == block_hash
+        if block_hash in self._cached:
+            return False
+        block.block_hash, block.parent_hash, block.owner = block_hash, parent, owner
+        self._cached[block_hash] = block
+        self._domain[block_hash] = domain
+        self.eviction.on_cached(block.block_id, owner)
+        self._tenant_stats(owner).stored += 1
+        self._events.append(BlockEvent("stored", block_hash, parent, domain))
+        return True
+
+    def evict_expired(self) -> int:
+        victims = self.eviction.pop_expired(self.clock())
+        for victim in victims:
+            self._evict(self.blocks[victim])
+        return len(victims)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every evictable cached block (in-use blocks stay). Returns how many."""
+        n = 0
+        for block in list(self._cached.values()):
+            if block.ref_cnt == 0:
+                self.eviction.on_acquired(block.block_id)
+                self._evict(block)
+                n += 1
+        return n
+
+    def take_events(self) -> list[BlockEvent]:
+        events, self._events = self._events, []
+        return events
+
+    # -- internals -------------------------------------------------------------------------
+    def _enforce_caps(self, tenants: set[TenantId]) -> None:
+        for tenant in tenants:
+            for victim in self.eviction.pop_over_cap(tenant):
+                self._evict(self.blocks[victim])
+
+    def _evict(self, block: Block) -> None:
+        """Uncache a block the policy has already removed from its evictable set."""
+        assert block.ref_cnt == 0 and block.block_hash is not None
+        owner = block.owner
+        del self._cached[block.block_hash]
+        domain = self._domain.pop(block.block_hash, None)
+        self._events.append(BlockEvent("removed", block.block_hash, block.parent_hash, domain))
+        self.eviction.on_dropped(block.block_id)
+        self._tenant_stats(owner).evictions += 1
+        block.block_hash = block.parent_hash = block.owner = None
+        self._free.append(block.block_id)

@@ -1,0 +1,87 @@
+"""KV storage for the block pool: one K and one V tensor per layer, addressed by slot.
+
+Slot ``s = block_id * block_size + offset`` holds the rotated key and the value of one token,
+shape ``[num_kv_heads, head_dim]``. Keeping slots flat makes writes one ``index_copy_`` and reads
+one gather, and the same tensors view as ``[num_blocks, block_size, kv_heads, head_dim]`` for
+flash-attn's paged kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class KVBlocks:
+    """Exported KV of whole blocks as plain arrays, portable across workers.
+
+    ``k``/``v``: ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
+    ``positions[i]`` is the absolute position of the first token of block i (keys are stored
+    RoPE-rotated at those positions). ``hashes`` are the blocks' chain hashes when known.
+    """
+
+    k: np.ndarray
+    v: np.ndarray
+    positions: tuple[int, ...]
+    model_id: str
+    hashes: tuple[bytes, ...] = ()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store rotated keys and values ``[n, kv_heads, head_dim]`` at ``slots`` ``[n]``."""
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
+    def paged(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return self.k[layer].view(shape), self.v[layer].view(shape)
+
+    def export_blocks(self, block_ids: list[int], positions: list[int], model_id: str, hashes=()) -> KVBlocks:
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
+        ks = torch.stack([self.paged(layer)[0].index_select(0, idx) for layer in range(self.num_layers)])
+        vs = torch.stack([self.paged(layer)[1].index_select(0, idx) for layer in range(self.num_layers)])
+        return KVBlocks(ks.cpu().numpy(), vs.cpu().numpy(), tuple(positions), model_id, tuple(hashes))
+
+    def import_blocks(self, block_ids: list[int], data: KVBlocks) -> None:
+        expected = (self.num_layers, len(block_ids), self.block_size, self.num_kv_heads, self.head_dim)
+        if data.k.shape != expected or data.v.shape != expected:
+            raise ValueError(f"KV blocks of shape {data.k.shape} do not fit this cache {expected}")
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
+        k = torch.from_numpy(data.k).to(device=self.k[0].device, dtype=self.dtype)
+        v = torch.from_numpy(data.v).to(device=self.k[0].device, dtype=self.dtype)
+        for layer in range(self.num_layers):
+            pk, pv = self.paged(layer)
+            pk.index_copy_(0, idx, k[layer])
+            pv.index_copy_(0, idx, v[layer])

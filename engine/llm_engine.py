@@ -1,0 +1,243 @@
+"""The engine loop: the scheduler picks sequences, the runner runs them, outputs are post-processed."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.kv_cache import PagedKVCache
+from engine.kv_manager import KVManager
+from engine.model_loader import LoadedModel, load_model
+from engine.model_runner import ModelRunner, build_batch
+from engine.sampler import sample
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import REUSE_MODES, InvalidRequest, Request, RequestOutput, Sequence, SequenceStatus
+from engine.tokenizer import IncrementalDetokenizer
+from policies.eviction import TenantEvictionPolicy, TenantQuota
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"
+    block_size: int = 16
+    num_blocks: int | None = None  # None: from kv_cache_bytes
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    max_model_len: int | None = None  # None: the model's context, capped by the pool
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    attention: str = "auto"  # auto | sdpa | flash
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_threads: int | None = None
+    tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError("block_size must be a positive power of two")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+
+
+@dataclass
+class TenantMetrics:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+
+
+class LLMEngine:
+    """Single-process engine. Not thread-safe: drive it from one thread (see AsyncEngine)."""
+
+    def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        dtype = getattr(torch, config.dtype)
+        self.loaded = loaded or load_model(config.model, dtype=dtype, device=config.device)
+        self.tokenizer = self.loaded.tokenizer
+        mcfg = self.loaded.model.config
+        head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
+        num_blocks = config.num_blocks or max(
+            1, config.kv_cache_bytes // PagedKVCache.bytes_per_block(
+                mcfg.num_hidden_layers, config.block_size, mcfg.num_key_value_heads, head_dim, dtype))
+        self.max_model_len = min(config.max_model_len or self.loaded.max_context, self.loaded.max_context,
+                                 num_blocks * config.block_size)
+        self.cache = PagedKVCache(mcfg.num_hidden_layers, num_blocks, config.block_size,
+                                  mcfg.num_key_value_heads, head_dim, dtype, config.device)
+        self.pool = BlockPool(num_blocks, config.block_size, TenantEvictionPolicy(config.tenant_quotas))
+        self.kv = KVManager(self.pool, self.loaded.model_id, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
+        self.runner = ModelRunner(self.loaded.model, self.cache, config.attention)
+        self.eos_ids = self._eos_ids()
+        self.seqs: dict[str, Sequence] = {}
+        self.tenant_metrics: dict[str, TenantMetrics] = {}
+        self.num_steps = 0
+        self.prefill_log: list[tuple[int, float]] = []  # (tokens computed, seconds) per step
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        gen = getattr(self.loaded.model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif src:
+                ids.update(src)
+        return ids
+
+    # -- requests --------------------------------------------------------------------------
+    def validate(self, request: Request) -> None:
+        """Raise InvalidRequest unless the request can be served; allocates nothing."""
+        if request.request_id in self.seqs:
+            raise InvalidRequest(f"duplicate request id {request.request_id!r}")
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.loaded.model.config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in request.prompt_ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens")
+        if n + request.params.max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({n} tokens) + max_tokens ({request.params.max_tokens}) exceeds the context of "
+                f"{self.max_model_len} tokens")
+        if request.reuse not in REUSE_MODES:
+            raise InvalidRequest(f"reuse must be one of {REUSE_MODES}, got {request.reuse!r}")
+
+    def add_request(self, request: Request) -> None:
+        self.validate(request)
+        seq = Sequence(request=request, tokens=list(request.prompt_ids), num_prompt=len(request.prompt_ids))
+        if request.params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(request.params.seed)
+        seq.detok = IncrementalDetokenizer(self.tokenizer)
+        self.seqs[request.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        return self._output(seq, [], "")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        self.pool.evict_expired()
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        chunks = []
+        for seq, n in scheduled:
+            start = seq.num_computed
+            want = start + n == len(seq.tokens)
+            chunks.append((seq.tokens[start : start + n], start, want, [b.block_id for b in seq.blocks]))
+        batch = build_batch(chunks, self.config.block_size, self.config.device)
+        t0 = time.perf_counter()
+        logits = self.runner.forward(batch)
+        self.prefill_log.append((sum(n for _, n in scheduled), time.perf_counter() - t0))
+        self.num_steps += 1
+        sampled_seqs = []
+        for (seq, n), (_, _, want, _) in zip(scheduled, chunks):
+            seq.num_computed += n
+            self.kv.commit(seq)
+            if want:
+                sampled_seqs.append(seq)
+        tokens = sample(logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs])
+        return [self._append(seq, tok) for seq, tok in zip(sampled_seqs, tokens)]
+
+    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        now = time.perf_counter()
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            m = self.tenant_metrics.setdefault(seq.request.tenant, TenantMetrics())
+            m.requests += 1
+            m.prompt_tokens += seq.num_prompt
+            m.cached_tokens += seq.num_cached
+        seq.tokens.append(token)
+        p = seq.params
+        reason = None
+        delta = ""
+        if token in self.eos_ids and not p.ignore_eos:
+            reason = "stop"
+        else:
+            seq.text += seq.detok.add(token)
+        if reason is None and p.stop:
+            reason = self._check_stop(seq)
+        if reason is None and (seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+            self.seqs.pop(seq.request_id, None)
+            self.scheduler.remove(seq)
+            self.tenant_metrics[seq.request.tenant].output_tokens += seq.num_output
+            delta = seq.text[seq.emitted_chars :]
+        else:
+            # hold back a tail that could still become a stop string
+            hold = self._stop_prefix_len(seq)
+            delta = seq.text[seq.emitted_chars : len(seq.text) - hold]
+        seq.emitted_chars += len(delta)
+        return self._output(seq, [token], delta)
+
+    @staticmethod
+    def _check_stop(seq: Sequence) -> str | None:
+        window = max(map(len, seq.params.stop)) + 16
+        start = max(0, seq.emitted_chars - window)
+        for s in seq.params.stop:
+            idx = seq.text.find(s, start)
+            if idx != -1:
+                seq.text = seq.text[:idx]
+                return "stop"
+        return None
+
+    @staticmethod
+    def _stop_prefix_len(seq: Sequence) -> int:
+        best = 0
+        for s in seq.params.stop:
+            for k in range(min(len(s) - 1, len(seq.text)), best, -1):
+                if seq.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def _output(self, seq: Sequence, new_ids: list[int], delta: str) -> RequestOutput:
+        ttft = seq.first_token_at - seq.arrival if seq.first_token_at else None
+        return RequestOutput(seq.request_id, new_ids, delta, seq.finished, seq.finish_reason,
+                             seq.num_prompt, seq.num_cached, seq.num_output, ttft)
+
+    # -- conveniences ----------------------------------------------------------------------
+    def generate(self, requests: list[Request]) -> dict[str, list[RequestOutput]]:
+        """Run requests to completion together (continuous batching); outputs per request."""
+        for r in requests:
+            self.add_request(r)
+        results: dict[str, list[RequestOutput]] = {r.request_id: [] for r in requests}
+        while self.has_unfinished():
+            for out in self.step():
+                results[out.request_id].append(out)
+        return results
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def stats(self) -> dict:
+        return {
+            "free_blocks": self.pool.num_free_blocks(),
+            "num_blocks": self.pool.num_blocks,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            "tenants": {
+                t: {**vars(m), "blocks_held": self.pool.eviction.held.get(t, 0),
+                    "evictions": self.pool.stats.get(t).evictions if t in self.pool.stats else 0}
+                for t, m in self.tenant_metrics.items()
+            },
+        }

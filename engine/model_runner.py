@@ -1,0 +1,206 @@
+"""Our own forward over a HF Llama/Qwen2/Mistral model's weights, reading and writing the paged cache.
+
+Why our own forward rather than transformers' cache hooks: a continuous batch mixes prefill
+chunks (with or without cached context) and single-token decodes of many sequences in one
+flattened token array. Linear layers run once over all tokens; only attention is per sequence
+(SDPA on CPU) or one varlen kernel (flash-attn on CUDA). The HF modules supply the weights,
+norms, MLP and rotary embedding, so numerics match ``model.forward``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv_cache import PagedKVCache
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a flattened batch."""
+
+    q_start: int
+    q_len: int
+    ctx_len: int  # keys visible after this step: cached context + this chunk
+    ctx_slots: torch.Tensor | None  # [ctx_len] cache slots of all keys; None when ctx_len == q_len
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] where each token's K/V is written
+    prefills: list[SeqSlice]  # q_len > 1
+    decode_rows: torch.Tensor | None  # [B] rows of single-token queries
+    decode_slots: torch.Tensor | None  # [B, max_ctx] key slots (padded with 0)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_ctx] True where a key is visible
+    logits_rows: torch.Tensor  # [S] rows whose logits are needed
+
+
+def build_batch(
+    chunks: list[tuple[list[int], int, int, list[int]]], block_size: int, device: torch.device | str = "cpu"
+) -> ForwardBatch:
+    """chunks: (token ids of the chunk, start position, want_logits, block table) per sequence."""
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    prefills: list[SeqSlice] = []
+    dec_rows: list[int] = []
+    dec_slots: list[list[int]] = []
+    logits_rows: list[int] = []
+    for tokens, start, want_logits, table in chunks:
+        q_start, q_len = len(ids), len(tokens)
+        ctx_len = start + q_len
+        all_slots = [table[p // block_size] * block_size + p % block_size for p in range(ctx_len)]
+        ids.extend(tokens)
+        pos.extend(range(start, ctx_len))
+        slots.extend(all_slots[start:])
+        if q_len == 1:
+            dec_rows.append(q_start)
+            dec_slots.append(all_slots)
+        else:
+            ctx = torch.tensor(all_slots, dtype=torch.long, device=device) if start > 0 else None
+            prefills.append(SeqSlice(q_start, q_len, ctx_len, ctx))
+        if want_logits:
+            logits_rows.append(q_start + q_len - 1)
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    decode_rows = decode_slots = decode_mask = None
+    if dec_rows:
+        max_ctx = max(len(s) for s in dec_slots)
+        decode_rows = t(dec_rows)
+        decode_slots = t([s + [0] * (max_ctx - len(s)) for s in dec_slots])
+        lens = t([len(s) for s in dec_slots])
+        decode_mask = (torch.arange(max_ctx, device=device)[None, :] < lens[:, None])[:, None, None, :]
+    return ForwardBatch(t(ids), t(pos), t(slots), prefills, decode_rows, decode_slots, decode_mask, t(logits_rows))
+
+
+def _flash_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class ModelRunner:
+    """Runs a ForwardBatch through the model, reading/writing ``cache``; returns logits rows."""
+
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, attention: str = "auto"):
+        self.model = model
+        self.cache = cache
+        cfg = model.config
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scale = self.head_dim**-0.5
+        self.layers = model.model.layers
+        if attention == "auto":
+            attention = "flash" if _flash_available() else "sdpa"
+        if attention == "flash" and not _flash_available():
+            raise RuntimeError("attention='flash' needs CUDA and the flash-attn package (extra 'gpu')")
+        if attention not in ("sdpa", "flash"):
+            raise ValueError(f"unknown attention backend {attention!r}: expected auto, sdpa or flash")
+        self.attention = attention
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        model = self.model.model
+        h = model.embed_tokens(batch.input_ids)  # [T, hidden]
+        cos, sin = model.rotary_emb(h[None], batch.positions[None])
+        cos, sin = cos[0], sin[0]
+        for layer_idx, layer in enumerate(self.layers):
+            residual = h
+            x = layer.input_layernorm(h)
+            attn = layer.self_attn
+            q = attn.q_proj(x).view(-1, self.num_heads, self.head_dim)
+            k = attn.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+            v = attn.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            self.cache.write(layer_idx, batch.slot_mapping, k, v)
+            if self.attention == "flash":
+                o = self._attend_flash(layer_idx, q, k, v, batch)
+            else:
+                o = self._attend_sdpa(layer_idx, q, k, v, batch)
+            h = residual + attn.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+            residual = h
+            h = residual + layer.mlp(layer.post_attention_layernorm(h))
+        h = model.norm(h[batch.logits_rows])
+        return self.model.lm_head(h).float()
+
+    def _attend_sdpa(self, layer_idx, q, k, v, batch: ForwardBatch) -> torch.Tensor:
+        out = torch.empty_like(q)
+        kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        for s in batch.prefills:
+            qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)[None]  # [1, H, L, D]
+            if s.ctx_slots is None:
+                ks = k[s.q_start : s.q_start + s.q_len].transpose(0, 1)[None]
+                vs = v[s.q_start : s.q_start + s.q_len].transpose(0, 1)[None]
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                ks = kc[s.ctx_slots].transpose(0, 1)[None]
+                vs = vc[s.ctx_slots].transpose(0, 1)[None]
+                past = s.ctx_len - s.q_len
+                mask = torch.ones(s.q_len, s.ctx_len, dtype=torch.bool, device=q.device).tril(diagonal=past)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
+        if batch.decode_rows is not None:
+            qd = q[batch.decode_rows][:, :, None, :]  # [B, H, 1, D]
+            kd = kc[batch.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
+            vd = vc[batch.decode_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask, scale=self.scale, enable_gqa=True)
+            out[batch.decode_rows] = o[:, :, 0, :]
+        return out
+
+    def _attend_flash(self, layer_idx, q, k, v, batch: ForwardBatch) -> torch.Tensor:  # pragma: no cover - CUDA only
+        """One varlen kernel over every sequence, keys gathered from the paged cache.
+
+        flash-attn's causal mask is aligned bottom-right, which is what a chunk with cached
+        context needs. (Its paged ``block_table`` path requires block_size % 256 == 0, so we
+        gather instead; that keeps kvmesh's 16-token blocks.)
+        """
+        from flash_attn import flash_attn_varlen_func
+
+        kc, vc = self.cache.k[layer_idx], self.cache.v[layer_idx]
+        q_rows, k_parts, v_parts, cu_q, cu_k = [], [], [], [0], [0]
+        for s in batch.prefills:
+            rows = torch.arange(s.q_start, s.q_start + s.q_len, device=q.device)
+            q_rows.append(rows)
+            if s.ctx_slots is None:
+                k_parts.append(k[rows]), v_parts.append(v[rows])
+            else:
+                k_parts.append(kc[s.ctx_slots]), v_parts.append(vc[s.ctx_slots])
+            cu_q.append(cu_q[-1] + s.q_len)
+            cu_k.append(cu_k[-1] + s.ctx_len)
+        if batch.decode_rows is not None:
+            lens = batch.decode_mask[:, 0, 0, :].sum(-1).tolist()
+            for i, row in enumerate(batch.decode_rows.tolist()):
+                q_rows.append(torch.tensor([row], device=q.device))
+                slots = batch.decode_slots[i, : lens[i]]
+                k_parts.append(kc[slots]), v_parts.append(vc[slots])
+                cu_q.append(cu_q[-1] + 1)
+                cu_k.append(cu_k[-1] + lens[i])
+        rows = torch.cat(q_rows)
+        cu_q_t = torch.tensor(cu_q, dtype=torch.int32, device=q.device)
+        cu_k_t = torch.tensor(cu_k, dtype=torch.int32, device=q.device)
+        o = flash_attn_varlen_func(
+            q[rows], torch.cat(k_parts), torch.cat(v_parts), cu_q_t, cu_k_t,
+            max(b - a for a, b in zip(cu_q, cu_q[1:])), max(b - a for a, b in zip(cu_k, cu_k[1:])),
+            softmax_scale=self.scale, causal=True,
+        )
+        out = torch.empty_like(q)
+        out[rows] = o
+        return out

@@ -1,0 +1,1 @@
+"""Pure decision logic (no Ray imports): eviction, tenancy, routing cost, remap, autoscaling."""

@@ -1,0 +1,161 @@
+"""Which cached KV block to evict: per-tenant LRU with TTL, priority classes, minimum and cap.
+
+Pure policy (no torch, no Ray). The block pool tells the policy about every change of a cached
+block's state and asks it for victims; the policy never touches blocks itself.
+
+States of a *cached* block (one that has a hash and can be hit):
+  in use     refcount > 0: never a victim;
+  evictable  refcount == 0: kept in its owner's LRU list, oldest release first.
+
+Rules for choosing a victim for a requesting tenant (first rule that yields a block wins):
+  1. an expired block (released longer ago than its owner's TTL), any tenant;
+  2. a block of a tenant holding more than its cap;
+  3. the least recently released block among the lowest priority class that has candidates,
+     where a tenant is a candidate only while it holds more than its guaranteed minimum.
+     A lower-priority requester takes higher-priority blocks only when no block of its own
+     class or lower is left;
+  4. the requester's own blocks below its minimum (a tenant may recycle its own guarantee).
+Blocks of other tenants at or below their minimum are never victims for someone else.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable
+
+BlockId = int
+TenantId = str
+
+
+@dataclass(frozen=True)
+class TenantQuota:
+    """Per-tenant cache policy. Blocks are KV cache blocks (block_size tokens each)."""
+
+    priority: int = 0  # higher = more important
+    min_blocks: int = 0  # guaranteed: never evicted for another tenant while held <= min
+    max_blocks: int | None = None  # cap on cached blocks; None = unlimited
+    ttl_s: float | None = None  # evictable blocks older than this are dropped first
+
+    def __post_init__(self):
+        if self.min_blocks < 0:
+            raise ValueError("min_blocks must be >= 0")
+        if self.max_blocks is not None and self.max_blocks < self.min_blocks:
+            raise ValueError("max_blocks must be >= min_blocks")
+        if self.ttl_s is not None and self.ttl_s <= 0:
+            raise ValueError("ttl_s must be > 0")
+
+
+class TenantEvictionPolicy:
+    """Per-tenant LRU lists of evictable blocks plus counts of cached blocks per tenant.
+
+    Invariants: a block id is in at most one LRU list, and only while it is cached and
+    released (refcount 0); ``held[t]`` counts tenant t's cached blocks, in use or not.
+    """
+
+    def __init__(self, quotas: dict[TenantId, TenantQuota] | None = None, default: TenantQuota | None = None):
+        self._quotas = dict(quotas or {})
+        self._default = default or TenantQuota()
+        self._lru: dict[TenantId, OrderedDict[BlockId, float]] = {}
+        self._owner: dict[BlockId, TenantId] = {}
+        self.held: dict[TenantId, int] = {}
+
+    # -- configuration -------------------------------------------------------------------
+    def quota(self, tenant: TenantId) -> TenantQuota:
+        return self._quotas.get(tenant, self._default)
+
+    def set_quota(self, tenant: TenantId, quota: TenantQuota) -> None:
+        self._quotas[tenant] = quota
+
+    # -- notifications from the pool -------------------------------------------------------
+    def on_cached(self, block: BlockId, tenant: TenantId) -> None:
+        """A block got a hash (it is in use by its computing request)."""
+        self._owner[block] = tenant
+        self.held[tenant] = self.held.get(tenant, 0) + 1
+
+    def on_released(self, block: BlockId, now: float) -> None:
+        """A cached block's refcount dropped to 0: it becomes evictable, most recent last."""
+        tenant = self._owner[block]
+        self._lru.setdefault(tenant, OrderedDict())[block] = now
+
+    def on_acquired(self, block: BlockId) -> None:
+        """A cached, evictable block got a hit: it is in use again."""
+        tenant = self._owner[block]
+        self._lru[tenant].pop(block, None)
+
+    def on_dropped(self, block: BlockId) -> None:
+        """A cached block lost its hash (evicted or reset); it must not be in use."""
+        tenant = self._owner.pop(block)
+        lru = self._lru.get(tenant)
+        if lru is not None:
+            lru.pop(block, None)
+        self.held[tenant] -= 1
+
+    # -- questions from the pool -----------------------------------------------------------
+    def num_evictable(self) -> int:
+        return sum(len(lru) for lru in self._lru.values())
+
+    def evictable(self, tenant: TenantId) -> int:
+        return len(self._lru.get(tenant, ()))
+
+    def over_cap(self, tenant: TenantId) -> bool:
+        cap = self.quota(tenant).max_blocks
+        return cap is not None and self.held.get(tenant, 0) > cap
+
+    def pop_expired(self, now: float) -> list[BlockId]:
+        """Evictable blocks whose owner's TTL has passed since their release."""
+        out: list[BlockId] = []
+        for tenant, lru in self._lru.items():
+            ttl = self.quota(tenant).ttl_s
+            if ttl is None:
+                continue
+            while lru:
+                block, released = next(iter(lru.items()))
+                if now - released < ttl:
+                    break
+                out.append(block)
+                lru.popitem(last=False)
+        return out
+
+    def pop_over_cap(self, tenant: TenantId) -> list[BlockId]:
+        """Evictable blocks of ``tenant`` to drop so that it holds at most its cap."""
+        cap = self.quota(tenant).max_blocks
+        lru = self._lru.get(tenant)
+        out: list[BlockId] = []
+        if cap is None or not lru:
+            return out
+        excess = self.held.get(tenant, 0) - cap
+        while excess > 0 and lru:
+            out.append(lru.popitem(last=False)[0])
+            excess -= 1
+        return out
+
+    def pop_victim(self, requester: TenantId, now: float) -> BlockId | None:
+        """Choose and remove one evictable block for ``requester``'s demand, or None."""
+        # 1. expired blocks
+        for tenant, lru in self._lru.items():
+            ttl = self.quota(tenant).ttl_s
+            if ttl is not None and lru and now - next(iter(lru.values())) >= ttl:
+                return lru.popitem(last=False)[0]
+        # 2. tenants over their cap
+        for tenant, lru in self._lru.items():
+            if lru and self.over_cap(tenant):
+                return lru.popitem(last=False)[0]
+        # 3. lowest priority class first, LRU within it, respecting minimums
+        best: tuple[int, float, TenantId] | None = None
+        for tenant, lru in self._lru.items():
+            if not lru or self.held.get(tenant, 0) <= self.quota(tenant).min_blocks:
+                continue
+            key = (self.quota(tenant).priority, next(iter(lru.values())), tenant)
+            if best is None or key < best:
+                best = key
+        if best is not None:
+            return self._lru[best[2]].popitem(last=False)[0]
+        # 4. the requester's own guaranteed blocks
+        own = self._lru.get(requester)
+        if own:
+            return own.popitem(last=False)[0]
+        return None
+
+    def tenants(self) -> Iterable[TenantId]:
+        return self.held.keys()
