@@ -6,6 +6,7 @@ generator; cancelling the generator (client gone) aborts the request and frees i
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import ray
@@ -39,6 +40,32 @@ class Worker:
 
     async def stats(self) -> dict:
         return await self.engine.call(lambda e: e.stats())
+
+    # -- global prefix index (issue 4) -----------------------------------------------------
+    async def snapshot(self) -> list[tuple[bytes, bytes | None, str | None]]:
+        """This worker's prefix cache: [(block hash, parent hash, share domain)]."""
+        return await self.engine.call(lambda e: e.pool.cached_hashes())
+
+    async def start_index_publisher(self, interval_s: float = 0.1, heartbeat_s: float = 1.0) -> bool:
+        """Publish block events to the cluster's index actor in batches (idempotent)."""
+        from actors.index_actor import get_or_create_index
+        from actors.index_publisher import IndexPublisher
+
+        if getattr(self, "index_publisher", None) is not None:
+            return True
+        index = await asyncio.to_thread(get_or_create_index, self.config.block_size)
+        me = ray.get_runtime_context().current_actor
+
+        async def drain(full: bool):
+            return await self.engine.call(lambda e: (e.pool.take_events(), e.pool.cached_hashes() if full else None))
+
+        async def send(payload: bytes, full: bool) -> dict:
+            return await index.publish.remote(payload, me if full else None)
+
+        self.index_publisher = IndexPublisher(self.worker_id, self.config.block_size, drain, send,
+                                              interval_s=interval_s, heartbeat_s=heartbeat_s)
+        self.index_publisher.start()
+        return True
 
 
 def worker_actor_class(num_gpus: float | None = None, num_cpus: float = 1):

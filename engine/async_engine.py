@@ -21,6 +21,15 @@ class EngineDead(RuntimeError):
     pass
 
 
+def _settle(fut: asyncio.Future, result, exc: BaseException | None) -> None:
+    if fut.done():  # the caller gave up (cancelled)
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None,
                  engine: LLMEngine | None = None):
@@ -77,10 +86,10 @@ class AsyncEngine:
         def run():
             try:
                 res = fn(self.engine)
-            except BaseException as e:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(_settle, fut, None, exc)
             else:
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(res))
+                loop.call_soon_threadsafe(_settle, fut, res, None)
 
         self._commands.put(run)
         return fut

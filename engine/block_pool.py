@@ -8,7 +8,12 @@ Invariants:
   * every block is in exactly one state: free (no hash, refcount 0, in ``_free``),
     cached-evictable (hash, refcount 0, owned by the eviction policy), or in use (refcount > 0);
   * a block's hash never changes while it is cached; ``_cached[h].block_hash == h``;
-  * ``num_free_blocks()`` = free + cached-evictable blocks = blocks an allocation can get.
+  * ``num_free_blocks()`` = free + cached-evictable blocks = the most ``allocate`` can get;
+    ``num_free_blocks(tenant)`` = what ``tenant`` may take without touching another tenant's
+    guaranteed minimum. Callers that honour minimums (the scheduler, through
+    ``KVManager.blocks_needed``) check it before allocating. When no block is in use at all, it
+    equals ``num_free_blocks()``: nothing will ever be released, so a waiting request may take
+    guaranteed blocks as a last resort rather than wait forever.
 Side effects on the prefix cache become data: ``take_events()`` drains stored/removed events
 (published in batches to the global index).
 """
@@ -99,11 +104,19 @@ class BlockPool:
         self.eviction = eviction or TenantEvictionPolicy()
         self.clock = clock
         self._events: list[BlockEvent] = []
+        self._num_in_use = 0
         self.stats: dict[TenantId, TenantCacheStats] = {}
 
     # -- queries ---------------------------------------------------------------------------
-    def num_free_blocks(self) -> int:
-        return len(self._free) + self.eviction.num_evictable()
+    def num_free_blocks(self, tenant: TenantId | None = None) -> int:
+        """Free + evictable blocks; for a ``tenant``, only those it may take (see module doc)."""
+        if tenant is None or self._num_in_use == 0:
+            return len(self._free) + self.eviction.num_evictable()
+        return len(self._free) + self.eviction.num_evictable_for(tenant)
+
+    def num_in_use(self) -> int:
+        """Blocks with refcount > 0."""
+        return self._num_in_use
 
     def get_cached_block(self, block_hash: BlockHash) -> Block | None:
         return self._cached.get(block_hash)
@@ -117,34 +130,38 @@ class BlockPool:
 
     # -- verbs -----------------------------------------------------------------------------
     def allocate(self, n: int, tenant: TenantId) -> list[Block]:
-        """Take ``n`` blocks (refcount 1), evicting cached blocks chosen by the policy."""
+        """Take ``n`` blocks (refcount 1), evicting cached blocks chosen by the policy.
+
+        Other tenants' guaranteed blocks are taken only when nothing else is left; a caller that
+        honours minimums checks ``num_free_blocks(tenant)`` first. Raises NoFreeBlocks, changing
+        nothing, when ``n > num_free_blocks()``.
+        """
         if n > self.num_free_blocks():
             raise NoFreeBlocks(f"need {n} blocks, {self.num_free_blocks()} free")
         out: list[Block] = []
         now = self.clock()
-        try:
-            for _ in range(n):
-                if not self._free:
-                    victim = self.eviction.pop_victim(tenant, now)
-                    if victim is None:
-                        raise NoFreeBlocks("no evictable block for this tenant")
-                    self._evict(self.blocks[victim])
-                block = self.blocks[self._free.pop()]
-                block.ref_cnt = 1
-                out.append(block)
-        except NoFreeBlocks:
-            self.free(out)
-            raise
+        for _ in range(n):
+            if not self._free:
+                victim = self.eviction.pop_victim(tenant, now, last_resort=True)
+                assert victim is not None, "num_free_blocks() counted a block the policy cannot give"
+                self._evict(self.blocks[victim])
+            block = self.blocks[self._free.pop()]
+            block.ref_cnt = 1
+            out.append(block)
+        self._num_in_use += n
         return out
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= self.num_free_blocks()
+    def can_allocate(self, n: int, tenant: TenantId | None = None) -> bool:
+        return n <= self.num_free_blocks(tenant)
 
     def touch(self, blocks: Sequence[Block]) -> None:
         """Take a reference on cache-hit blocks (removing them from the evictable set)."""
         for block in blocks:
             if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    raise AssertionError(f"touch of free block {block.block_id}")
                 self.eviction.on_acquired(block.block_id)
+                self._num_in_use += 1
             block.ref_cnt += 1
 
     def free(self, blocks: Sequence[Block]) -> None:
@@ -156,6 +173,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt:
                 continue
+            self._num_in_use -= 1
             if block.block_hash is None:
                 self._free.append(block.block_id)
             else:
@@ -198,6 +216,27 @@ class BlockPool:
     def take_events(self) -> list[BlockEvent]:
         events, self._events = self._events, []
         return events
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless the accounting in the module docstring holds (for tests)."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is twice in the free list"
+        evictable = {b for lru in self.eviction._lru.values() for b in lru}
+        held: dict[TenantId, int] = {}
+        for block in self.blocks:
+            i = block.block_id
+            assert block.ref_cnt >= 0, f"block {i} has refcount {block.ref_cnt}"
+            if block.block_hash is None:
+                assert block.owner is None and i not in evictable, f"uncached block {i} is evictable"
+                assert (i in free) == (block.ref_cnt == 0), f"block {i}: refcount {block.ref_cnt}, free={i in free}"
+            else:
+                assert i not in free, f"cached block {i} is in the free list"
+                assert self._cached.get(block.block_hash) is block, f"block {i} is not cached under its hash"
+                assert (i in evictable) == (block.ref_cnt == 0), f"cached block {i}: refcount {block.ref_cnt}"
+                held[block.owner] = held.get(block.owner, 0) + 1
+        assert len(self._cached) == sum(held.values()), "hash map and blocks disagree"
+        assert self._num_in_use == sum(1 for b in self.blocks if b.ref_cnt), "in-use count is off"
+        assert {t: n for t, n in self.eviction.held.items() if n} == held, "policy's held counts are off"
 
     # -- internals -------------------------------------------------------------------------
     def _enforce_caps(self, tenants: set[TenantId]) -> None:

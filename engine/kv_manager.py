@@ -61,11 +61,17 @@ class KVManager:
         return hit
 
     def blocks_needed(self, seq: Sequence, num_tokens: int, hit: list[Block] = ()) -> int:
-        """Free blocks an allocation up to ``num_tokens`` would consume (hits that are evictable
-        leave the free count when touched)."""
+        """Free blocks an allocation up to ``num_tokens`` would consume, to compare with
+        ``pool.num_free_blocks()`` (hits that are evictable leave the free count when touched).
+
+        Other tenants' guaranteed minimums count in ``num_free_blocks()`` but this tenant cannot
+        take them, so they are added here: ``blocks_needed(...) <= pool.num_free_blocks()`` holds
+        exactly when the tenant's allocation will succeed.
+        """
         have = len(seq.blocks) + len(hit)
         new = max(0, -(-num_tokens // self.block_size) - have)
-        return new + sum(1 for b in hit if b.ref_cnt == 0)
+        reserved = self.pool.num_free_blocks() - self.pool.num_free_blocks(seq.request.tenant)
+        return new + sum(1 for b in hit if b.ref_cnt == 0) + reserved
 
     def admit(self, seq: Sequence, hit: list[Block]) -> None:
         self.pool.touch(hit)

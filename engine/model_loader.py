@@ -184,3 +184,12 @@ def load_model(spec: str | None = DEFAULT_MODEL, dtype: torch.dtype = torch.floa
         tokenizer=tokenizer,
         max_context=int(getattr(config, "max_position_embeddings", 2048)),
     )
+
+
+if __name__ == "__main__":  # `python -m engine.model_loader [spec]`: convert and cache once
+    import sys
+
+    logging.basicConfig(level=logging.INFO)
+    t0 = time.perf_counter()
+    loaded = load_model(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_MODEL)
+    print(f"{loaded.name} ready ({loaded.model_id}) in {time.perf_counter() - t0:.1f}s")

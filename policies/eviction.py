@@ -15,7 +15,11 @@ Rules for choosing a victim for a requesting tenant (first rule that yields a bl
      A lower-priority requester takes higher-priority blocks only when no block of its own
      class or lower is left;
   4. the requester's own blocks below its minimum (a tenant may recycle its own guarantee).
-Blocks of other tenants at or below their minimum are never victims for someone else.
+Blocks of other tenants at or below their minimum are never victims for someone else, with one
+exception the caller must ask for: ``last_resort=True`` adds
+  5. any evictable block, lowest priority class first, LRU within it, ignoring minimums.
+The block pool uses it only when no block is in use at all: then nothing will ever be released,
+and honouring the minimums would leave the waiting request stuck forever.
 """
 
 from __future__ import annotations
@@ -95,6 +99,22 @@ class TenantEvictionPolicy:
     def num_evictable(self) -> int:
         return sum(len(lru) for lru in self._lru.values())
 
+    def num_evictable_for(self, requester: TenantId) -> int:
+        """Evictable blocks that ``pop_victim(requester, now)`` is sure to hand out, one by one.
+
+        The requester's own evictable blocks, plus every other tenant's evictable blocks above
+        its guaranteed minimum. Each victim lowers this count by at most one, and while it is
+        positive ``pop_victim`` never returns None (rule 3 or 4 applies). Expired blocks below a
+        minimum are not counted (a lower bound: the pool drops them on its next TTL sweep).
+        """
+        n = 0
+        for tenant, lru in self._lru.items():
+            if tenant == requester:
+                n += len(lru)
+            else:
+                n += min(len(lru), max(0, self.held.get(tenant, 0) - self.quota(tenant).min_blocks))
+        return n
+
     def evictable(self, tenant: TenantId) -> int:
         return len(self._lru.get(tenant, ()))
 
@@ -130,7 +150,7 @@ class TenantEvictionPolicy:
             excess -= 1
         return out
 
-    def pop_victim(self, requester: TenantId, now: float) -> BlockId | None:
+    def pop_victim(self, requester: TenantId, now: float, last_resort: bool = False) -> BlockId | None:
         """Choose and remove one evictable block for ``requester``'s demand, or None."""
         # 1. expired blocks
         for tenant, lru in self._lru.items():
@@ -142,20 +162,26 @@ class TenantEvictionPolicy:
             if lru and self.over_cap(tenant):
                 return lru.popitem(last=False)[0]
         # 3. lowest priority class first, LRU within it, respecting minimums
-        best: tuple[int, float, TenantId] | None = None
-        for tenant, lru in self._lru.items():
-            if not lru or self.held.get(tenant, 0) <= self.quota(tenant).min_blocks:
-                continue
-            key = (self.quota(tenant).priority, next(iter(lru.values())), tenant)
-            if best is None or key < best:
-                best = key
-        if best is not None:
-            return self._lru[best[2]].popitem(last=False)[0]
+        victim = self._pop_lowest(honour_minimums=True)
+        if victim is not None:
+            return victim
         # 4. the requester's own guaranteed blocks
         own = self._lru.get(requester)
         if own:
             return own.popitem(last=False)[0]
-        return None
+        # 5. (last resort only) other tenants' guaranteed blocks
+        return self._pop_lowest(honour_minimums=False) if last_resort else None
+
+    def _pop_lowest(self, honour_minimums: bool) -> BlockId | None:
+        """Oldest evictable block of the lowest priority class (among tenants above their minimum)."""
+        best: tuple[int, float, TenantId] | None = None
+        for tenant, lru in self._lru.items():
+            if not lru or (honour_minimums and self.held.get(tenant, 0) <= self.quota(tenant).min_blocks):
+                continue
+            key = (self.quota(tenant).priority, next(iter(lru.values())), tenant)
+            if best is None or key < best:
+                best = key
+        return None if best is None else self._lru[best[2]].popitem(last=False)[0]
 
     def tenants(self) -> Iterable[TenantId]:
         return self.held.keys()

@@ -1,0 +1,166 @@
+"""The index actor: one named, detached, restartable actor per cluster wrapping the pure core.
+
+``kvmesh-index`` in namespace ``kvmesh``. State lives only in memory; after a restart the
+actor has a new epoch and knows no worker, so every worker's next batch (a heartbeat at the
+latest, see ``IndexPublisher``) is refused and the worker resends a full snapshot: the index
+rebuilds from the workers' snapshots within about one heartbeat.
+
+Dead workers: a snapshot batch carries the worker's actor handle; a liveness loop pings each
+handle and drops every entry of a worker whose actor died, and drops workers that have not
+published for ``stale_s`` seconds (covers workers without a handle, e.g. in tests).
+
+Callers never block on the index: ``lookup_with_timeout`` returns None on timeout or error, and
+the caller routes without cache information. Answers are hints, up to about one publish interval
+stale (a holder may have just evicted a block): a pull that fails falls back to recompute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Mapping, Sequence
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
+
+from actors.index_publisher import decode_batch
+from actors.prefix_index import PrefixIndex
+from actors.slot_registry import SlotKey, SlotRegistry
+
+log = logging.getLogger(__name__)
+INDEX_NAME = "kvmesh-index"
+NAMESPACE = "kvmesh"
+
+
+class IndexActor:
+    """Thin shell: every method is a few lines over ``PrefixIndex`` / ``SlotRegistry``."""
+
+    def __init__(self, block_size: int = 16, liveness_s: float = 1.0, stale_s: float = 30.0,
+                 ping_timeout_s: float = 5.0):
+        self.index = PrefixIndex(block_size)
+        self.slots = SlotRegistry()
+        self.epoch = uuid.uuid4().hex
+        self.started_at = time.time()
+        self.liveness_s, self.stale_s, self.ping_timeout_s = liveness_s, stale_s, ping_timeout_s
+        self.handles: dict[str, object] = {}
+        self.counters = {"batches": 0, "refused": 0, "malformed": 0, "lookups": 0, "dropped_workers": 0}
+        self._liveness: asyncio.Task | None = None
+
+    def _ensure_liveness(self) -> None:
+        if self._liveness is None or self._liveness.done():
+            self._liveness = asyncio.get_running_loop().create_task(self._liveness_loop())
+
+    # -- feeds -----------------------------------------------------------------------------
+    async def publish(self, payload: bytes, handle=None) -> dict:
+        """Apply one msgpack batch. ``ok`` False: resend a snapshot (unknown worker or a gap)."""
+        self._ensure_liveness()
+        try:
+            batch = decode_batch(payload)
+        except ValueError as e:
+            self.counters["malformed"] += 1
+            log.warning("dropping malformed index batch: %s", e)
+            return {"ok": False, "epoch": self.epoch}
+        if batch.block_size != self.index.block_size:
+            log.warning("worker %s publishes block size %d, index uses %d", batch.worker_id,
+                        batch.block_size, self.index.block_size)
+        ok = self.index.apply_batch(batch)
+        if handle is not None and ok:
+            self.handles[batch.worker_id] = handle
+        self.counters["batches" if ok else "refused"] += 1
+        return {"ok": ok, "epoch": self.epoch}
+
+    async def remove_worker(self, worker_id: str) -> int:
+        self.handles.pop(worker_id, None)
+        self.slots.remove_worker(worker_id)
+        return self.index.remove_worker(worker_id)
+
+    async def _liveness_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.liveness_s)
+            try:
+                await self._check_liveness()
+            except Exception:  # pragma: no cover - keep the loop alive
+                log.exception("index liveness check failed")
+
+    async def _check_liveness(self) -> None:
+        dead = set(self.index.stale_workers(self.stale_s))
+        items = list(self.handles.items())
+        results = await asyncio.gather(
+            *(asyncio.wait_for(_ref(h.__ray_ready__.remote()), self.ping_timeout_s) for _, h in items),
+            return_exceptions=True)
+        for (worker_id, _), res in zip(items, results):
+            if isinstance(res, ActorDiedError):  # restarting (ActorUnavailable) / slow: keep
+                dead.add(worker_id)
+        for worker_id in dead:
+            n = await self.remove_worker(worker_id)
+            self.counters["dropped_workers"] += 1
+            log.info("index dropped worker %s (%d blocks)", worker_id, n)
+
+    # -- queries ---------------------------------------------------------------------------
+    async def lookup(self, chains: Mapping[str, Sequence[bytes]]) -> dict[str, int]:
+        """Per worker, leading prompt tokens held (see ``PrefixIndex.lookup``)."""
+        self.counters["lookups"] += 1
+        return self.index.lookup(chains)
+
+    async def workers(self) -> dict[str, dict]:
+        return self.index.workers()
+
+    async def worker_handles(self) -> dict[str, object]:
+        return dict(self.handles)
+
+    async def stats(self) -> dict:
+        return {"epoch": self.epoch, "started_at": self.started_at, "blocks": len(self.index),
+                "workers": len(self.index.workers()), "slots": len(self.slots), **self.counters}
+
+    # -- template slots --------------------------------------------------------------------
+    async def register_slot(self, template_id: str, slot_class: str, domain: str, worker_id: str,
+                            slot_id: str, num_tokens: int = 0, meta: dict | None = None) -> None:
+        self.slots.register(SlotKey(template_id, slot_class, domain), worker_id, slot_id, num_tokens, meta)
+
+    async def lookup_slots(self, template_id: str, slot_class: str, domains: Sequence[str]) -> list[dict]:
+        return [{"worker_id": e.worker_id, "slot_id": e.slot_id, "num_tokens": e.num_tokens,
+                 "meta": dict(e.meta), "last_access": e.last_access}
+                for e in self.slots.lookup(template_id, slot_class, domains)]
+
+    async def remove_slot(self, template_id: str, slot_class: str, domain: str, worker_id: str,
+                          slot_id: str | None = None) -> int:
+        return self.slots.remove(SlotKey(template_id, slot_class, domain), worker_id, slot_id)
+
+
+async def _ref(ref):
+    return await ref
+
+
+def index_actor_class():
+    return ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1000)(IndexActor)
+
+
+def get_or_create_index(block_size: int = 16, **kwargs):
+    """The cluster's index actor, created (detached, restartable) if missing. Blocking GCS call:
+    use at start-up, or through ``asyncio.to_thread`` from async code."""
+    return index_actor_class().options(name=INDEX_NAME, namespace=NAMESPACE, lifetime="detached",
+                                       get_if_exists=True).remote(block_size, **kwargs)
+
+
+def get_index():
+    """The existing index actor, or None (blocking GCS call, see ``get_or_create_index``)."""
+    try:
+        return ray.get_actor(INDEX_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+async def lookup_with_timeout(index, chains: Mapping[str, Sequence[bytes]],
+                              timeout_s: float = 0.05) -> dict[str, int] | None:
+    """Ask the index; None on timeout or any failure (route without cache information)."""
+    if index is None:
+        return None
+    try:
+        return await asyncio.wait_for(_ref(index.lookup.remote(dict(chains))), timeout_s)
+    except (asyncio.TimeoutError, GetTimeoutError, ActorUnavailableError, ray.exceptions.RayError):
+        return None
+    except Exception:  # never let cache information break routing
+        log.exception("index lookup failed")
+        return None

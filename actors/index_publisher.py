@@ -1,0 +1,140 @@
+"""Worker side of the global index: drain block events, publish them in msgpack batches.
+
+Wire format (msgpack map, version 1)::
+
+    {"v": 1, "w": worker_id, "s": seq, "bs": block_size,
+     "d": [domain, ...],                     # domain table; events refer to it by position
+     "e": [[kind, hash, parent|nil, domain_ix|nil], ...],   # kind 0 = stored, 1 = removed
+     "snap": [[hash, parent|nil, domain_ix|nil], ...] | nil}  # full holdings, replaces all
+
+One actor call per flush interval (not per block or request). A batch the index cannot place in
+sequence (index restarted, a call was lost) makes the next flush send a snapshot instead of
+events: the snapshot and the event drain happen in one engine-thread call, so events after it
+apply on top of it exactly. With nothing to send a heartbeat (empty batch) goes out every
+``heartbeat_s``, which is how a restarted index learns it must ask for snapshots.
+No Ray import: the publisher gets plain async callables (see ``actors.worker``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable, Sequence
+
+import msgpack
+
+from actors.prefix_index import REMOVED, STORED, Batch
+from engine.block_pool import BlockEvent
+
+log = logging.getLogger(__name__)
+WIRE_VERSION = 1
+
+Snapshot = list[tuple[bytes, "bytes | None", "str | None"]]
+Drain = Callable[[bool], Awaitable[tuple[list[BlockEvent], "Snapshot | None"]]]
+Send = Callable[[bytes, bool], Awaitable[dict]]
+
+
+def encode_batch(worker_id: str, seq: int, block_size: int, events: Sequence[BlockEvent],
+                 snapshot: Snapshot | None = None) -> bytes:
+    domains: dict[str | None, int | None] = {None: None}
+
+    def ix(d):
+        if d not in domains:
+            domains[d] = len(domains) - 1
+        return domains[d]
+
+    ev = [[STORED if e.kind == "stored" else REMOVED, e.block_hash, e.parent_hash, ix(e.domain)] for e in events]
+    snap = None if snapshot is None else [[h, p, ix(d)] for h, p, d in snapshot]
+    table = [d for d in domains if d is not None]
+    return msgpack.packb({"v": WIRE_VERSION, "w": worker_id, "s": seq, "bs": block_size,
+                          "d": table, "e": ev, "snap": snap}, use_bin_type=True)
+
+
+def decode_batch(payload: bytes) -> Batch:
+    """Parse a batch; raises ValueError on anything malformed."""
+    try:
+        m = msgpack.unpackb(payload, raw=False)
+        if m.get("v") != WIRE_VERSION:
+            raise ValueError(f"unsupported index wire version {m.get('v')!r}")
+        table = m["d"]
+
+        def dom(i):
+            return None if i is None else table[i]
+
+        events = tuple((int(k), bytes(h), p, dom(d)) for k, h, p, d in m["e"])
+        snap = m["snap"]
+        snapshot = None if snap is None else tuple((bytes(h), p, dom(d)) for h, p, d in snap)
+        return Batch(str(m["w"]), int(m["s"]), int(m["bs"]), events, snapshot)
+    except ValueError:
+        raise
+    except Exception as e:  # msgpack errors, wrong shapes
+        raise ValueError(f"malformed index batch: {e!r}") from e
+
+
+class IndexPublisher:
+    """Batches one worker's block events to the index.
+
+    ``drain(full)`` runs on the engine thread and returns (events, snapshot-or-None), taking the
+    snapshot when ``full``; ``send(payload, full)`` delivers one batch and returns the index's
+    reply ``{"ok": bool, "epoch": str}``. Invariant: seq numbers are consecutive per publisher;
+    after any failure the next batch is a snapshot.
+    """
+
+    def __init__(self, worker_id: str, block_size: int, drain: Drain, send: Send,
+                 interval_s: float = 0.1, heartbeat_s: float = 1.0, timeout_s: float = 5.0):
+        self.worker_id, self.block_size = worker_id, block_size
+        self.drain, self.send = drain, send
+        self.interval_s, self.heartbeat_s, self.timeout_s = interval_s, heartbeat_s, timeout_s
+        self.seq = 0
+        self.need_snapshot = True
+        self.epoch: str | None = None
+        self.last_sent = float("-inf")
+        self.stats = {"batches": 0, "events": 0, "snapshots": 0, "failures": 0, "bytes": 0}
+        self._task: asyncio.Task | None = None
+
+    async def flush(self, force: bool = False) -> bool:
+        """Send what is pending (or a heartbeat when due). False if the send failed."""
+        full = self.need_snapshot
+        events, snapshot = await self.drain(full)
+        now = time.monotonic()
+        if not force and not events and snapshot is None and now - self.last_sent < self.heartbeat_s:
+            return True
+        payload = encode_batch(self.worker_id, self.seq, self.block_size, events, snapshot)
+        self.seq += 1
+        self.last_sent = now
+        try:
+            reply = await asyncio.wait_for(self.send(payload, snapshot is not None), self.timeout_s)
+        except Exception as e:  # timeout, index dead or restarting: resync next time
+            log.debug("index publish failed: %r", e)
+            self.stats["failures"] += 1
+            self.need_snapshot = True
+            return False
+        self.epoch = reply.get("epoch", self.epoch)
+        self.need_snapshot = not reply.get("ok", False)
+        self.stats["batches"] += 1
+        self.stats["events"] += len(events)
+        self.stats["snapshots"] += snapshot is not None
+        self.stats["bytes"] += len(payload)
+        return not self.need_snapshot
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.flush()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let the loop die (e.g. engine call failed)
+                log.exception("index publisher flush failed")
+                self.need_snapshot = True
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> asyncio.Task:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self.run())
+        return self._task
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None

@@ -1,0 +1,369 @@
+"""The Serve application: an OpenAI-compatible FastAPI ingress in front of a worker pool.
+
+``serve run cluster/serve.yaml`` calls ``build_app(args)`` with the ``args`` of the YAML file
+(see ``AppSettings`` for the fields). The ingress authenticates (API key → tenant), validates,
+applies the chat template, tokenizes, enforces per-tenant limits and streams tokens from a worker
+chosen by the pool's router. Workers are plain Ray actors owned by the ingress's
+``cluster.pool.WorkerPool`` (see there for why), so the ingress runs as one replica.
+"""
+
+# No `from __future__ import annotations`: FastAPI must see the real Request annotation
+# through Serve's ingress wrapper.
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.serve import Application
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.metrics import CONTENT_TYPE_LATEST, Metrics
+from cluster.pool import PoolConfig, WorkerPool, WorkerUnavailable
+from cluster.protocol import (DONE, ApiError, ChatBody, CompletionBody, Served, chunk, completion_response,
+                              error_event, parse_body, usage)
+from engine.llm_engine import EngineConfig
+from engine.sequence import InvalidRequest, Request, SamplingParams
+from policies.autoscale import AutoscaleConfig
+from policies.tenancy import Admission, TenantConfig, Tenants, read_tenants_file, tenants_path
+
+log = logging.getLogger(__name__)
+EXAMPLE_TENANTS = Path(__file__).with_name("tenants.yaml")
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    """The ``args`` of ``cluster/serve.yaml`` (all optional)."""
+
+    model: str = "default"  # "default", "tiny-llama", a safetensors directory or a .gguf file
+    workers: int = 1  # workers at start and the autoscaler's minimum
+    max_workers: int | None = None  # autoscaler's maximum; None = workers (no autoscaling)
+    block_size: int = 16
+    tenants: str | None = None  # tenants file; None: $KVMESH_TENANTS, else cluster/tenants.yaml
+    kv_cache_bytes: int = 512 * 1024 * 1024  # per worker
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    worker_num_cpus: float = 1.0
+    worker_num_gpus: float | None = None  # None: 1 per worker when the cluster has GPUs
+    device: str | None = None  # None: cuda when workers get GPUs, else cpu
+    dtype: str | None = None  # None: float32 on cpu, bfloat16 on cuda
+    target_tokens_per_worker: int = 4096  # autoscaling: demand (tokens) one worker should carry
+    upscale_delay_s: float = 0.0
+    downscale_delay_s: float = 30.0
+    autoscale_interval_s: float = 1.0
+    default_chat_max_tokens: int = 512  # chat requests without max_tokens: min(this, room left)
+    ready_timeout_s: float = 600.0
+
+    @classmethod
+    def from_args(cls, args):
+        args = dict(args or {})
+        unknown = set(args) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown kvmesh app arguments {sorted(unknown)}; known: {[f.name for f in fields(cls)]}")
+        return cls(**args)
+
+    def autoscale(self) -> AutoscaleConfig:
+        return AutoscaleConfig(min_workers=self.workers, max_workers=max(self.workers, self.max_workers or self.workers),
+                               target_tokens_per_worker=self.target_tokens_per_worker,
+                               upscale_delay_s=self.upscale_delay_s, downscale_delay_s=self.downscale_delay_s,
+                               interval_s=self.autoscale_interval_s)
+
+
+def load_tokenizer(spec: str):
+    """(served model name, tokenizer) without loading the weights."""
+    from engine.model_loader import TINY_MODEL, resolve_model_dir
+    from engine.tokenizer import ByteTokenizer
+
+    if spec == TINY_MODEL:
+        return TINY_MODEL, ByteTokenizer(vocab_size=512)
+    from transformers import AutoTokenizer
+
+    name, path = resolve_model_dir(spec)
+    return name, AutoTokenizer.from_pretrained(path)
+
+
+def build_app(args: dict) -> Application:
+    """Serve application builder: ``import_path: cluster.app:build_app`` with ``args``."""
+    settings = AppSettings.from_args(args)
+    path = Path(settings.tenants) if settings.tenants else tenants_path(EXAMPLE_TENANTS)
+    tenants_data = read_tenants_file(path)
+    return KvmeshIngress.bind(dataclasses.asdict(settings), tenants_data)
+
+
+app = FastAPI(title="kvmesh", docs_url=None, redoc_url=None)
+
+
+@app.exception_handler(ApiError)
+async def _api_error(_, e: ApiError):
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(_, e: RequestValidationError):
+    return JSONResponse(ApiError(400, str(e)).body(), status_code=400)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_, e: StarletteHTTPException):
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    return JSONResponse(ApiError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code)
+
+
+def _bearer(req: HttpRequest) -> str | None:
+    h = req.headers.get("authorization", "")
+    scheme, _, key = h.partition(" ")
+    return key.strip() if scheme.lower() == "bearer" and key.strip() else None
+
+
+class _Ctx:
+    """One admitted request being answered; releases its admission exactly once."""
+
+    def __init__(self, ing: "KvmeshIngress", tenant: str, endpoint: str, request: Request, chat: bool, worker: str,
+                 route: str, stream, first, include_usage: bool):
+        self.ing, self.tenant, self.endpoint, self.request, self.chat = ing, tenant, endpoint, request, chat
+        self.worker, self.route, self.stream, self.first, self.include_usage = worker, route, stream, first, include_usage
+        self.model = ing.model_name
+        self.created = int(time.time())
+
+    def _served(self, out) -> Served:
+        return Served(worker=self.worker, route=self.route, exact_cached_tokens=out.num_cached_tokens,
+                      reuse=self.request.reuse)
+
+    def _done(self, out, code: int) -> None:
+        m = self.ing.metrics
+        m.requests.labels(tenant=self.tenant, endpoint=self.endpoint, code=str(code)).inc()
+        if out is not None:
+            m.observe_finished(self.tenant, out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
+
+    async def _outputs(self):
+        yield self.first
+        if not self.first.finished:
+            async for _, _, out in self.stream:
+                yield out
+
+    async def whole(self):
+        text, last, code = [], None, 200
+        try:
+            async for out in self._outputs():
+                text.append(out.new_text)
+                last = out
+        except Exception as e:  # noqa: BLE001
+            code = _as_api_error(e).status
+            raise _as_api_error(e) from None
+        finally:
+            await self.stream.aclose()
+            self.ing.admission.release(self.tenant)
+            self._done(last if code == 200 else None, code)
+        use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+        return completion_response(self.request.request_id, self.model, "".join(text), last.finish_reason, use,
+                                   self._served(last), self.chat)
+
+    async def sse(self):
+        rid, last, code = self.request.request_id, None, 200
+        try:
+            if self.chat:
+                yield chunk(rid, self.model, self.created, True, text="", role=True)
+            async for out in self._outputs():
+                last = out
+                if out.finished:
+                    use = usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+                    yield chunk(rid, self.model, self.created, self.chat, text=out.new_text,
+                                finish_reason=out.finish_reason, served=self._served(out),
+                                use=None if self.include_usage else use)
+                    if self.include_usage:
+                        yield chunk(rid, self.model, self.created, self.chat, use=use, no_choices=True,
+                                    served=self._served(out))
+                elif out.new_text:
+                    yield chunk(rid, self.model, self.created, self.chat, text=out.new_text)
+            yield DONE
+        except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band
+            err = _as_api_error(e)
+            code = err.status
+            yield error_event(err)
+            yield DONE
+        except BaseException:  # client disconnected (cancelled): the finally below frees the request
+            code = 499
+            raise
+        finally:
+            await self.stream.aclose()
+            self.ing.admission.release(self.tenant)
+            self._done(last if code == 200 else None, code)
+
+
+def _as_api_error(e: BaseException) -> ApiError:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, InvalidRequest):
+        msg = str(e).splitlines()[-1] if str(e) else "invalid request"
+        return ApiError(400, msg.split("InvalidRequest: ")[-1])
+    if isinstance(e, WorkerUnavailable):
+        return ApiError(503, str(e), type_="server_error", code="worker_unavailable")
+    log.exception("request failed", exc_info=e)
+    return ApiError(500, f"internal error: {type(e).__name__}", type_="server_error")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000, num_replicas=1)
+@serve.ingress(app)
+class KvmeshIngress:
+    async def __init__(self, settings: dict, tenants_data: dict):
+        self.settings = s = AppSettings(**settings)
+        self.tenants = Tenants.from_dict(tenants_data)
+        self.admission = Admission(self.tenants)
+        self.model_name, self.tokenizer = load_tokenizer(s.model)
+        self.metrics = Metrics(self.tenants.names())
+        import ray
+
+        gpus = s.worker_num_gpus
+        if gpus is None:
+            gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+        device = s.device or ("cuda" if gpus else "cpu")
+        engine = EngineConfig(model=s.model, block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
+                              max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                              device=device, dtype=s.dtype or ("float32" if device == "cpu" else "bfloat16"),
+                              tenant_quotas=self.tenants.eviction_quotas())
+        self.pool = WorkerPool(PoolConfig(engine=engine, autoscale=s.autoscale(),
+                                          shares=tuple(sorted(self.tenants.worker_shares().items())),
+                                          worker_num_cpus=s.worker_num_cpus, worker_num_gpus=gpus,
+                                          ready_timeout_s=s.ready_timeout_s))
+        await self.pool.start()
+        if not await self.pool.wait_ready(s.ready_timeout_s):
+            raise RuntimeError(self.pool.error or "no worker became ready")
+        self.max_model_len = int(self.pool.model_info()["max_model_len"])
+
+    async def check_health(self):  # Serve's replica health check
+        if not self.pool.workers:
+            raise RuntimeError(self.pool.error or "no workers")
+
+    # -- plain routes --------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self):
+        ready = sum(1 for w in self.pool.workers.values() if w.routable)
+        status = 200 if ready else 503
+        return JSONResponse({"status": "ok" if ready else "starting", "workers_ready": ready,
+                             "model": self.model_name}, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics(self):
+        states: dict[str, int] = {"ready": 0, "starting": 0, "draining": 0}
+        assigned: dict[str, int] = {}
+        for w in self.pool.workers.values():
+            states["draining" if w.draining else "ready" if w.info else "starting"] += 1
+            if w.tenant and not w.draining:
+                assigned[w.tenant] = assigned.get(w.tenant, 0) + 1
+        text = self.metrics.render(self.pool.queue_depth(), dict(self.admission.inflight), states, assigned)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(self, req: HttpRequest):
+        self._auth(req)
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "kvmesh", "max_model_len": self.max_model_len}]}
+
+    @app.get("/kvmesh/workers")
+    async def workers(self, req: HttpRequest):
+        """Pool and engine state per worker (any valid key)."""
+        self._auth(req)
+        d = self.pool.last_decision
+        return {"workers": await self.pool.stats(),
+                "target": d.target if d else None, "allocation": dict(d.allocation) if d else {}}
+
+    # -- completions ---------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(self, req: HttpRequest):
+        return await self._serve(req, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, req: HttpRequest):
+        return await self._serve(req, chat=True)
+
+    def _auth(self, req: HttpRequest) -> TenantConfig:
+        tenant = self.tenants.authenticate(_bearer(req))
+        if tenant is None:
+            raise ApiError(401, "missing or unknown API key (send Authorization: Bearer <key>)",
+                           code="invalid_api_key")
+        return tenant
+
+    def _prompt_ids(self, body, chat: bool) -> list[int]:
+        tok = self.tokenizer
+        if chat:
+            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+            try:
+                text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # noqa: BLE001 - template errors are the client's messages
+                raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+            return list(tok.encode(text, add_special_tokens=False))
+        p = body.prompt
+        if isinstance(p, list) and p and isinstance(p[0], int):
+            return list(p)
+        text = p[0] if isinstance(p, list) and p else p if isinstance(p, str) else ""
+        return list(tok.encode(text, add_special_tokens=True))
+
+    def _build(self, tenant: TenantConfig, body, chat: bool) -> Request:
+        if body.model not in (self.model_name, "default"):
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                           code="model_not_found", param="model")
+        ids = self._prompt_ids(body, chat)
+        n = len(ids)
+        if n == 0:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if n >= self.max_model_len:
+            raise ApiError(400, f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens",
+                           code="context_length_exceeded", param="messages" if chat else "prompt")
+        requested = body.requested_max_tokens() if chat else body.max_tokens
+        if requested is None:
+            requested = min(self.settings.default_chat_max_tokens, self.max_model_len - n) if chat else 16
+        elif requested > 0 and n + requested > self.max_model_len:
+            raise ApiError(400, f"prompt ({n} tokens) + max_tokens ({requested}) exceeds the context of "
+                           f"{self.max_model_len} tokens", code="context_length_exceeded", param="max_tokens")
+        try:
+            params = SamplingParams(**body.sampling(requested))
+        except InvalidRequest as e:
+            raise ApiError(400, str(e)) from None
+        reuse = (body.kvmesh.reuse if body.kvmesh and body.kvmesh.reuse else None) or tenant.reuse
+        prefix = "chatcmpl" if chat else "cmpl"
+        return Request(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_ids=tuple(ids), params=params,
+                       tenant=tenant.name, share_domain=self.tenants.share_domain(tenant.name), reuse=reuse,
+                       read_domains=self.tenants.read_domains(tenant.name))
+
+    async def _serve(self, req: HttpRequest, chat: bool):
+        endpoint = "chat" if chat else "completions"
+        tenant_name = "-"
+        try:
+            tenant = self._auth(req)
+            tenant_name = tenant.name
+            body = parse_body(await req.body(), ChatBody if chat else CompletionBody)
+            request = self._build(tenant, body, chat)
+            decision = self.admission.admit(tenant.name, time.monotonic())
+            if not decision.ok:
+                self.metrics.rejected.labels(tenant=tenant.name, reason=decision.reason).inc()
+                raise ApiError(429, f"tenant {tenant.name!r} is over its {decision.reason} limit; retry later",
+                               type_="requests", code="rate_limit_exceeded",
+                               headers={"Retry-After": decision.retry_after_header})
+        except ApiError as e:
+            self.metrics.requests.labels(tenant=tenant_name, endpoint=endpoint, code=str(e.status)).inc()
+            raise
+        t0 = time.perf_counter()
+        stream = self.pool.generate(request)
+        try:
+            ws, choice, first = await stream.__anext__()  # errors before the first token → 4xx/5xx
+        except BaseException as e:
+            await stream.aclose()
+            self.admission.release(tenant.name)
+            if not isinstance(e, Exception):  # cancelled: the client went away before the first token
+                self.metrics.requests.labels(tenant=tenant.name, endpoint=endpoint, code="499").inc()
+                raise
+            err = _as_api_error(e)
+            self.metrics.requests.labels(tenant=tenant.name, endpoint=endpoint, code=str(err.status)).inc()
+            raise err from None
+        self.metrics.ttft.labels(tenant=tenant.name).observe(time.perf_counter() - t0)
+        ctx = _Ctx(self, tenant.name, endpoint, request, chat, ws.worker_id, choice.route, stream, first,
+                   body.stream_options.include_usage if body.stream_options else False)
+        if body.stream:
+            return StreamingResponse(ctx.sse(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await ctx.whole()

@@ -1,0 +1,51 @@
+"""Prometheus metrics of the serving front, per tenant (one registry per ingress instance)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the ingress
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self, tenants: list[str]):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvmesh_requests", "HTTP requests by tenant, endpoint and status code",
+                                ["tenant", "endpoint", "code"], registry=r)
+        self.prompt_tokens = Counter("kvmesh_prompt_tokens", "Prompt tokens served", ["tenant"], registry=r)
+        self.cached_tokens = Counter("kvmesh_cached_tokens", "Prompt tokens whose KV was reused", ["tenant"], registry=r)
+        self.completion_tokens = Counter("kvmesh_completion_tokens", "Generated tokens", ["tenant"], registry=r)
+        self.ttft = Histogram("kvmesh_ttft_seconds", "Time to first token at the ingress", ["tenant"],
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.queue_depth = Gauge("kvmesh_queue_depth", "Admitted requests without a first token yet",
+                                 ["tenant"], registry=r)
+        self.inflight = Gauge("kvmesh_inflight_requests", "Admitted requests not finished", ["tenant"], registry=r)
+        self.rejected = Counter("kvmesh_rejected", "Requests refused by limits", ["tenant", "reason"], registry=r)
+        self.workers = Gauge("kvmesh_workers", "Worker actors by state", ["state"], registry=r)
+        self.workers_assigned = Gauge("kvmesh_workers_assigned", "Workers assigned to a tenant by the autoscaler",
+                                      ["tenant"], registry=r)
+        for t in tenants:  # every tenant has series from the first scrape
+            for m in (self.prompt_tokens, self.cached_tokens, self.completion_tokens, self.queue_depth, self.inflight):
+                m.labels(tenant=t)
+
+    def observe_finished(self, tenant: str, prompt: int, cached: int, completion: int) -> None:
+        self.prompt_tokens.labels(tenant=tenant).inc(prompt)
+        self.cached_tokens.labels(tenant=tenant).inc(cached)
+        self.completion_tokens.labels(tenant=tenant).inc(completion)
+
+    def render(self, queue_depth: dict[str, int], inflight: dict[str, int], workers: dict[str, int],
+               assigned: dict[str, int]) -> bytes:
+        """The exposition text, with gauges refreshed from the given snapshots."""
+        for g, values in ((self.queue_depth, queue_depth), (self.inflight, inflight)):
+            for labels in list(g._metrics):  # reset tenants that dropped to 0
+                g.labels(*labels).set(0)
+            for t, n in values.items():
+                g.labels(tenant=t).set(n)
+        for state, n in workers.items():
+            self.workers.labels(state=state).set(n)
+        for labels in list(self.workers_assigned._metrics):
+            self.workers_assigned.labels(*labels).set(0)
+        for t, n in assigned.items():
+            self.workers_assigned.labels(tenant=t).set(n)
+        return generate_latest(self.registry)

@@ -1,0 +1,341 @@
+"""The worker pool: plain Ray worker actors, a routing hook, tenant autoscaling.
+
+Workers are plain Ray actors (``actors.worker``), one per GPU when the cluster has GPUs, created
+and removed by the pool; Serve runs only the HTTP ingress, which owns one pool. Why plain actors
+rather than a Serve deployment of workers: a KV pull needs worker-to-worker calls to a *named*
+holder and requests sent to a chosen target worker; plain actor handles give both directly, while
+Serve replicas are reachable only through a handle's router. Ray's cluster autoscaler adds GPU
+nodes when the pool asks for more ``num_gpus=1`` actors than fit.
+
+Routing is one replaceable object, ``Router.choose(request, candidates)``; today
+``LeastLoadedRouter`` picks the worker with the fewest in-flight tokens. Later routers (prefix
+index lookup, network-aware cost model) plug in here and may name a pull source.
+
+Tenant autoscaling: every ``interval_s`` the pool hands per-tenant demand (tokens of queued and
+running requests) to ``policies.autoscale.TenantAutoscaler``, creates or drains workers to meet
+the target and assigns workers to tenants by the allocation. A tenant's requests go to the
+workers assigned to it; a tenant with no assignment uses unassigned workers (or any worker).
+Draining workers finish their requests and are then killed.
+
+Invariants: a worker's ``inflight``/``inflight_tokens`` count the pool's open streams on it; a
+draining or dead worker is never chosen; a stream that ends early (client gone, error) cancels
+the worker's generator, which aborts the request there and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol, Sequence
+
+import ray
+
+from actors.worker import worker_actor_class
+from engine.llm_engine import EngineConfig
+from engine.sequence import Request, RequestOutput
+from policies.autoscale import AutoscaleConfig, ScaleDecision, TenantAutoscaler, TenantDemand, TenantShare
+
+log = logging.getLogger(__name__)
+
+
+class WorkerUnavailable(RuntimeError):
+    """No worker could take the request (none ready, or the chosen one died)."""
+
+
+@dataclass(eq=False)
+class WorkerState:
+    worker_id: str
+    actor: object  # ray ActorHandle of actors.worker.Worker
+    info: dict | None = None  # Worker.ready(); None while starting
+    tenant: str | None = None  # tenant this worker is assigned to; None = shared
+    inflight: int = 0
+    inflight_tokens: int = 0
+    draining: bool = False
+    dead: bool = False
+
+    @property
+    def routable(self) -> bool:
+        return self.info is not None and not self.draining and not self.dead
+
+
+@dataclass(frozen=True)
+class RouteChoice:
+    worker_id: str
+    route: str = "local"  # local | pulled | recomputed (contract: usage.kvmesh.route)
+
+
+class Router(Protocol):
+    async def choose(self, request: Request, candidates: Sequence[WorkerState]) -> RouteChoice: ...
+
+
+class LeastLoadedRouter:
+    """Fewest in-flight tokens, then fewest requests, then worker id (deterministic)."""
+
+    async def choose(self, request: Request, candidates: Sequence[WorkerState]) -> RouteChoice:
+        w = min(candidates, key=lambda w: (w.inflight_tokens, w.inflight, w.worker_id))
+        return RouteChoice(w.worker_id)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    autoscale: AutoscaleConfig = AutoscaleConfig()
+    shares: tuple[tuple[str, TenantShare], ...] = ()
+    worker_num_cpus: float = 1.0
+    worker_num_gpus: float | None = None  # None: 1 when the cluster has GPUs, else 0
+    ready_timeout_s: float = 600.0
+
+
+@dataclass
+class _Flight:
+    tenant: str
+    worker_id: str
+    prompt_tokens: int
+    max_tokens: int
+    output_tokens: int = 0
+    started: bool = False
+
+    @property
+    def cost(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+
+class WorkerPool:
+    """Owns the worker actors. Call ``start()`` inside a running event loop; ``close()`` kills
+    the workers."""
+
+    def __init__(self, config: PoolConfig, router: Router | None = None):
+        self.config = config
+        self.router: Router = router or LeastLoadedRouter()
+        self.autoscaler = TenantAutoscaler(config.autoscale, dict(config.shares))
+        self.workers: dict[str, WorkerState] = {}
+        self.last_decision: ScaleDecision | None = None
+        self._flights: dict[str, _Flight] = {}
+        self._ids = itertools.count()
+        self._ready = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._loop_task: asyncio.Task | None = None
+        self._actor_cls = None
+        self.error: str | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self, autoscale: bool = True) -> None:
+        gpus = self.config.worker_num_gpus
+        self._actor_cls = worker_actor_class(num_gpus=gpus, num_cpus=self.config.worker_num_cpus)
+        decision = self.autoscaler.decide(0, {}, time.monotonic())
+        await self._apply(ScaleDecision(max(1, decision.target), decision.allocation))
+        if autoscale:
+            self._loop_task = asyncio.create_task(self._autoscale_loop())
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for t in list(self._tasks):
+            t.cancel()
+        for w in list(self.workers.values()):
+            self._kill(w)
+
+    def model_info(self) -> dict | None:
+        """``ready()`` of any ready worker (model name, max_model_len, block size)."""
+        for w in self.workers.values():
+            if w.info is not None and not w.dead:
+                return w.info
+        return None
+
+    # -- workers -----------------------------------------------------------------------------
+    def _spawn(self) -> WorkerState:
+        wid = f"w{next(self._ids)}"
+        actor = self._actor_cls.remote(wid, self.config.engine)
+        ws = WorkerState(wid, actor)
+        self.workers[wid] = ws
+        task = asyncio.create_task(self._await_ready(ws))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return ws
+
+    async def _await_ready(self, ws: WorkerState) -> None:
+        try:
+            ws.info = await asyncio.wait_for(_aref(ws.actor.ready.remote()), self.config.ready_timeout_s)
+            self._ready.set()
+            log.info("worker %s ready: %s", ws.worker_id, ws.info)
+        except Exception as e:  # noqa: BLE001 - any failure: the worker is unusable
+            self.error = f"worker {ws.worker_id} failed to start: {e!r}"
+            log.error(self.error)
+            self._mark_dead(ws)
+
+    def _mark_dead(self, ws: WorkerState) -> None:
+        ws.dead = True
+        self._kill(ws)
+
+    def _kill(self, ws: WorkerState) -> None:
+        self.workers.pop(ws.worker_id, None)
+        try:
+            ray.kill(ws.actor)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        if not any(w.info is not None for w in self.workers.values()):
+            self._ready.clear()
+
+    def active(self) -> list[WorkerState]:
+        """Workers counted toward the target: starting or ready, not draining."""
+        return [w for w in self.workers.values() if not w.draining and not w.dead]
+
+    # -- autoscaling -------------------------------------------------------------------------
+    def demand(self) -> dict[str, TenantDemand]:
+        """Per tenant: queued = prompt + max_tokens of requests without output yet;
+        running = output tokens still allowed for started requests."""
+        queued: dict[str, int] = {}
+        running: dict[str, int] = {}
+        for f in self._flights.values():
+            if f.started:
+                running[f.tenant] = running.get(f.tenant, 0) + max(0, f.max_tokens - f.output_tokens)
+            else:
+                queued[f.tenant] = queued.get(f.tenant, 0) + f.cost
+        return {t: TenantDemand(queued.get(t, 0), running.get(t, 0)) for t in set(queued) | set(running)}
+
+    async def autoscale_once(self, now: float | None = None) -> ScaleDecision:
+        now = time.monotonic() if now is None else now
+        decision = self.autoscaler.decide(len(self.active()), self.demand(), now)
+        await self._apply(decision)
+        return decision
+
+    async def _autoscale_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.autoscale.interval_s)
+            try:
+                await self.autoscale_once()
+            except Exception:  # noqa: BLE001 - keep scaling on the next tick
+                log.exception("autoscale tick failed")
+
+    async def _apply(self, decision: ScaleDecision) -> None:
+        self.last_decision = decision
+        active = self.active()
+        if decision.target > len(active):
+            for _ in range(decision.target - len(active)):
+                self._spawn()
+        elif decision.target < len(active):
+            # drain the least useful: still starting, then shared, then least loaded
+            order = sorted(active, key=lambda w: (w.info is not None, w.tenant is not None, w.inflight, w.worker_id))
+            for w in order[: len(active) - decision.target]:
+                w.draining, w.tenant = True, None
+        for w in [w for w in self.workers.values() if w.draining and w.inflight == 0]:
+            self._kill(w)
+        self._assign(dict(decision.allocation))
+
+    def _assign(self, allocation: dict[str, int]) -> None:
+        """Keep existing assignments up to each tenant's allocation; fill the rest from shared
+        workers, tenants in name order. Unallocated workers are shared."""
+        active = sorted(self.active(), key=lambda w: w.worker_id)
+        kept: dict[str, int] = {}
+        for w in active:
+            if w.tenant is not None:
+                if kept.get(w.tenant, 0) < allocation.get(w.tenant, 0):
+                    kept[w.tenant] = kept.get(w.tenant, 0) + 1
+                else:
+                    w.tenant = None
+        free = [w for w in active if w.tenant is None]
+        for tenant in sorted(allocation):
+            for _ in range(allocation[tenant] - kept.get(tenant, 0)):
+                if not free:
+                    return
+                free.pop(0).tenant = tenant
+
+    def assignment(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for w in self.active():
+            out.setdefault(w.tenant or "", []).append(w.worker_id)
+        return out
+
+    # -- requests ----------------------------------------------------------------------------
+    def candidates(self, tenant: str) -> list[WorkerState]:
+        ready = [w for w in self.workers.values() if w.routable]
+        own = [w for w in ready if w.tenant == tenant]
+        if own:
+            return own
+        shared = [w for w in ready if w.tenant is None]
+        return shared or ready
+
+    async def generate(self, request: Request, ready_timeout_s: float = 60.0
+                       ) -> AsyncIterator[tuple[WorkerState, RouteChoice, RequestOutput]]:
+        """Stream a request's outputs from the chosen worker. Closing the iterator early cancels
+        the request on the worker (its blocks are freed)."""
+        flight = _Flight(request.tenant, "", len(request.prompt_ids), request.params.max_tokens)
+        self._flights[request.request_id] = flight  # demand while we wait (scale from zero) and choose
+        try:
+            if not self._ready.is_set() and not await self.wait_ready(ready_timeout_s):
+                raise WorkerUnavailable(self.error or "no worker is ready yet")
+            cands = self.candidates(request.tenant)
+            if not cands:
+                raise WorkerUnavailable(self.error or "no worker is ready")
+            choice = await self.router.choose(request, cands)
+            ws = self.workers.get(choice.worker_id)
+            if ws is None or not ws.routable:
+                raise WorkerUnavailable(f"router chose unavailable worker {choice.worker_id!r}")
+            flight.worker_id = ws.worker_id
+            ws.inflight += 1
+            ws.inflight_tokens += flight.cost
+            finished = False
+            gen = ws.actor.generate.remote(request)
+            try:
+                async for ref in gen:
+                    try:
+                        out: RequestOutput = await ref
+                    except ray.exceptions.RayActorError as e:
+                        self._mark_dead(ws)
+                        raise WorkerUnavailable(f"worker {ws.worker_id} died: {e}") from None
+                    flight.started = True
+                    flight.output_tokens = out.num_output_tokens
+                    finished = out.finished
+                    yield ws, choice, out
+                    if finished:
+                        return
+            finally:
+                ws.inflight -= 1
+                ws.inflight_tokens -= flight.cost
+                if not finished:
+                    ray.cancel(gen)
+                    try:
+                        ws.actor.abort.remote(request.request_id)  # fire and forget
+                    except Exception:  # noqa: BLE001 - worker gone: nothing to free
+                        pass
+                if ws.draining and ws.inflight == 0:
+                    self._kill(ws)
+        finally:
+            self._flights.pop(request.request_id, None)
+
+    # -- introspection -----------------------------------------------------------------------
+    async def stats(self, timeout_s: float = 2.0) -> list[dict]:
+        """Per worker: the pool's view plus the engine's stats (None if it did not answer)."""
+        out = []
+        for w in list(self.workers.values()):
+            s = None
+            if w.info is not None:
+                try:
+                    s = await asyncio.wait_for(_aref(w.actor.stats.remote()), timeout_s)
+                except Exception:  # noqa: BLE001 - report what we know
+                    s = None
+            out.append({"worker_id": w.worker_id, "tenant": w.tenant, "ready": w.info is not None,
+                        "draining": w.draining, "inflight": w.inflight, "engine": s})
+        return out
+
+    def queue_depth(self) -> dict[str, int]:
+        """Per tenant: requests admitted but without their first token yet."""
+        out: dict[str, int] = {}
+        for f in self._flights.values():
+            if not f.started:
+                out[f.tenant] = out.get(f.tenant, 0) + 1
+        return out
+
+
+async def _aref(ref):
+    return await ref

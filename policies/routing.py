@@ -1,0 +1,443 @@
+"""Network-aware routing: expected time to first token (TTFT) for each way of serving a prompt.
+
+Pure policy (no torch, no Ray). For a prompt of ``P`` tokens and a candidate target worker ``w``:
+
+    local/recompute  TTFT = wait(w) + prefill_w(P - m_w, cached=m_w)
+    pulled           TTFT = wait(w) + pull(m_w -> L) + prefill_w(P - L, cached=L)
+
+where ``m_w`` is the prefix ``w`` already holds, ``L`` a deeper prefix held by other workers, and
+``pull`` the makespan of fetching blocks ``[m_w, L)`` from the holders in parallel
+(per source: RTT + bytes / bandwidth(src node -> dst node)). The minimum over all candidates wins.
+
+Estimates are learned online:
+  * ``PrefillModel``: per worker, time = a + b*n + c*n*(n + 2*cached) (linear and quadratic terms in
+    tokens; the quadratic feature is the attention work, ``n**2`` without a cached prefix), a
+    non-negative least-squares fit over a bounded window, ridge-pulled toward a prior so that it is
+    sane before (and shortly after) the first measurements.
+  * ``LinkModel``: per (src node, dst node), EWMA of seconds-per-byte (so the mean is a harmonic
+    mean of rates) from real transfers, and EWMA of RTT from small transfers / probes.
+  * queue wait: from each worker's published ``WorkerLoad``.
+
+Invariants: predictions are finite and >= 0; prefill predictions never decrease with more new
+tokens; a decision never pulls a block that no live holder has, and never more than the prompt
+minus its last token (the last token is always computed to produce logits).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Mapping, Sequence
+
+WorkerId = str
+NodeId = str
+RouteKind = Literal["local", "pulled", "recomputed"]
+
+_SCALE = 1024.0  # tokens; features are expressed in units of 1024 tokens for conditioning
+
+
+# ----------------------------------------------------------------------------------------------
+# Prefill time
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PrefillPrior:
+    """Prior coefficients (seconds): fixed cost, per 1024 new tokens, per 1024**2 attention units."""
+
+    a: float = 0.02
+    b: float = 0.5
+    c: float = 0.05
+    weight: float = 0.5  # ridge strength, in pseudo-samples at 1024 tokens
+
+
+def _features(new_tokens: int, cached_tokens: int) -> tuple[float, float, float]:
+    n = new_tokens / _SCALE
+    p = cached_tokens / _SCALE
+    return (1.0, n, n * (n + 2.0 * p))
+
+
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting for a small dense system; None if singular."""
+    k = len(v)
+    a = [row[:] + [v[i]] for i, row in enumerate(m)]
+    for col in range(k):
+        piv = max(range(col, k), key=lambda r: abs(a[r][col]))
+        if abs(a[piv][col]) < 1e-15:
+            return None
+        a[col], a[piv] = a[piv], a[col]
+        for r in range(k):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                for c in range(col, k + 1):
+                    a[r][c] -= f * a[col][c]
+    return [a[i][k] / a[i][i] for i in range(k)]
+
+
+class PrefillModel:
+    """Online fit of prefill seconds over (new tokens, cached tokens) for one worker.
+
+    Minimises  sum_i (y_i - theta . phi_i)^2 + w * |theta - prior|^2  subject to theta >= 0 over the
+    last ``window`` samples (exact non-negative solution by enumerating the 8 active sets), so the
+    curve is monotone in new tokens and starts at the prior.
+    """
+
+    def __init__(self, prior: PrefillPrior | None = None, window: int = 128):
+        self.prior = prior or PrefillPrior()
+        self._samples: deque[tuple[tuple[float, float, float], float]] = deque(maxlen=window)
+        self._theta: tuple[float, float, float] | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples)
+
+    def observe(self, new_tokens: int, seconds: float, cached_tokens: int = 0) -> None:
+        if new_tokens <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        self._samples.append((_features(new_tokens, cached_tokens), float(seconds)))
+        self._theta = None
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        if self._theta is None:
+            self._theta = self._fit()
+        return self._theta
+
+    def predict(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        if new_tokens <= 0:
+            return 0.0
+        a, b, c = self.coefficients
+        f = _features(new_tokens, cached_tokens)
+        return a * f[0] + b * f[1] + c * f[2]
+
+    def _fit(self) -> tuple[float, float, float]:
+        prior = (self.prior.a, self.prior.b, self.prior.c)
+        if not self._samples:
+            return prior
+        w = self.prior.weight
+        xtx = [[0.0] * 3 for _ in range(3)]
+        xty = [0.0] * 3
+        yty = 0.0
+        for f, y in self._samples:
+            for i in range(3):
+                xty[i] += f[i] * y
+                for j in range(3):
+                    xtx[i][j] += f[i] * f[j]
+            yty += y * y
+
+        def objective(t: Sequence[float]) -> float:
+            quad = sum(t[i] * xtx[i][j] * t[j] for i in range(3) for j in range(3))
+            data = yty - 2 * sum(t[i] * xty[i] for i in range(3)) + quad
+            return data + w * sum((t[i] - prior[i]) ** 2 for i in range(3))
+
+        best, best_obj = (0.0, 0.0, 0.0), objective((0.0, 0.0, 0.0))
+        for r in range(1, 4):
+            for free in itertools.combinations(range(3), r):
+                m = [[xtx[i][j] + (w if i == j else 0.0) for j in free] for i in free]
+                v = [xty[i] + w * prior[i] for i in free]
+                sol = _solve(m, v)
+                if sol is None or min(sol) < 0:
+                    continue
+                t = [0.0, 0.0, 0.0]
+                for i, s in zip(free, sol):
+                    t[i] = s
+                obj = objective(t)
+                if obj < best_obj:
+                    best, best_obj = (t[0], t[1], t[2]), obj
+        return best
+
+
+# ----------------------------------------------------------------------------------------------
+# Links
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LinkPrior:
+    """Estimates before any measurement. Same-node pulls go through shared memory."""
+
+    bandwidth_Bps: float = 125e6  # 1 Gbit/s between nodes
+    rtt_s: float = 1e-3
+    local_bandwidth_Bps: float = 4e9
+    local_rtt_s: float = 2e-4
+    alpha: float = 0.3  # EWMA weight of a new sample
+    probe_max_bytes: int = 64 * 1024  # transfers up to this size only update the RTT
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    bandwidth_Bps: float
+    rtt_s: float
+    samples: int  # bandwidth samples behind the estimate (0 = prior)
+
+    def transfer_s(self, nbytes: int) -> float:
+        return self.rtt_s + nbytes / self.bandwidth_Bps
+
+
+class LinkModel:
+    """EWMA bandwidth and RTT per directed node pair.
+
+    A transfer of ``nbytes`` taking ``seconds`` gives a bandwidth sample
+    ``nbytes / (seconds - rtt)`` (the RTT part is bounded to half the transfer so a bad RTT estimate
+    cannot produce absurd rates). An unmeasured direction borrows the reverse direction's estimate.
+    """
+
+    def __init__(self, prior: LinkPrior | None = None):
+        self.prior = prior or LinkPrior()
+        self._spb: dict[tuple[NodeId, NodeId], tuple[float, int]] = {}  # seconds per byte, count
+        self._rtt: dict[tuple[NodeId, NodeId], tuple[float, int]] = {}
+
+    def _ewma(self, table: dict, key, sample: float) -> None:
+        old = table.get(key)
+        a = self.prior.alpha
+        table[key] = (sample, 1) if old is None else ((1 - a) * old[0] + a * sample, old[1] + 1)
+
+    def observe_rtt(self, src: NodeId, dst: NodeId, rtt_s: float) -> None:
+        if math.isfinite(rtt_s) and rtt_s >= 0:
+            self._ewma(self._rtt, (src, dst), rtt_s)
+
+    def observe_transfer(self, src: NodeId, dst: NodeId, nbytes: int, seconds: float) -> None:
+        if nbytes <= 0 or not math.isfinite(seconds) or seconds <= 0:
+            return
+        if nbytes <= self.prior.probe_max_bytes:
+            self.observe_rtt(src, dst, seconds)
+            return
+        rtt = self.estimate(src, dst).rtt_s
+        self._ewma(self._spb, (src, dst), max(seconds - rtt, seconds / 2) / nbytes)
+
+    def estimate(self, src: NodeId, dst: NodeId) -> LinkEstimate:
+        same = src == dst
+        spb = self._spb.get((src, dst)) or self._spb.get((dst, src))
+        rtt = self._rtt.get((src, dst)) or self._rtt.get((dst, src))
+        p = self.prior
+        bw = 1.0 / spb[0] if spb and spb[0] > 0 else (p.local_bandwidth_Bps if same else p.bandwidth_Bps)
+        return LinkEstimate(bw, rtt[0] if rtt else (p.local_rtt_s if same else p.rtt_s), spb[1] if spb else 0)
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        keys = set(self._spb) | set(self._rtt)
+        return {f"{s}->{d}": {"bandwidth_Bps": (e := self.estimate(s, d)).bandwidth_Bps, "rtt_s": e.rtt_s,
+                              "samples": e.samples} for s, d in sorted(keys)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Load, decisions
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What a worker publishes: prompts waiting for prefill (their uncached token counts), how many
+    sequences are decoding, and any extra wait it knows of (e.g. a drain, or an artificial load)."""
+
+    waiting_tokens: tuple[int, ...] = ()
+    running: int = 0
+    extra_wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class PullRange:
+    """Blocks ``[start_block, end_block)`` of the prompt, fetched from ``holder`` on ``node``."""
+
+    holder: WorkerId
+    node: NodeId
+    start_block: int
+    end_block: int
+    nbytes: int
+    expected_s: float
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to serve the prompt on ``worker``; ``cached_tokens`` = reused prefix (local + pulled)."""
+
+    worker: WorkerId
+    kind: RouteKind
+    expected_ttft_s: float
+    wait_s: float
+    prefill_s: float
+    pull_s: float
+    local_tokens: int
+    pulled_tokens: int
+    pulls: tuple[PullRange, ...] = ()
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.local_tokens + self.pulled_tokens
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """The chosen candidate plus the runners-up (best per worker, ascending TTFT)."""
+
+    chosen: Candidate
+    ranking: tuple[Candidate, ...]
+    fallback: bool = False  # True when made without estimates (power of two choices)
+
+    @property
+    def worker(self) -> WorkerId:
+        return self.chosen.worker
+
+    @property
+    def kind(self) -> RouteKind:
+        return self.chosen.kind
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    block_size: int = 16
+    bytes_per_token: int = 2 * 30 * 3 * 64 * 4  # K+V, layers, kv heads, head dim, float32
+    decode_step_s: float = 0.0  # extra wait per decoding sequence on the target
+    prefill_prior: PrefillPrior = field(default_factory=PrefillPrior)
+    link_prior: LinkPrior = field(default_factory=LinkPrior)
+    min_samples_own_fit: int = 3  # below this a worker borrows the pooled fit of all workers
+    window: int = 128
+
+
+class CostModel:
+    """Shared estimates plus the TTFT arithmetic. One instance lives in the router actor."""
+
+    def __init__(self, config: CostConfig | None = None):
+        self.config = config or CostConfig()
+        self.links = LinkModel(self.config.link_prior)
+        self._prefill: dict[WorkerId, PrefillModel] = {}
+        self._pooled = PrefillModel(self.config.prefill_prior, window=self.config.window)
+        self.nodes: dict[WorkerId, NodeId] = {}
+        self.loads: dict[WorkerId, WorkerLoad] = {}
+
+    # -- learning ---------------------------------------------------------------------------
+    def register(self, worker: WorkerId, node: NodeId) -> None:
+        self.nodes[worker] = node
+        self.loads.setdefault(worker, WorkerLoad())
+
+    def remove(self, worker: WorkerId) -> None:
+        for table in (self.nodes, self.loads, self._prefill):
+            table.pop(worker, None)
+
+    def observe_prefill(self, worker: WorkerId, new_tokens: int, seconds: float, cached_tokens: int = 0) -> None:
+        model = self._prefill.get(worker)
+        if model is None:
+            model = self._prefill[worker] = PrefillModel(self.config.prefill_prior, self.config.window)
+        model.observe(new_tokens, seconds, cached_tokens)
+        self._pooled.observe(new_tokens, seconds, cached_tokens)
+
+    def observe_load(self, worker: WorkerId, load: WorkerLoad) -> None:
+        self.loads[worker] = load
+
+    def prefill_model(self, worker: WorkerId) -> PrefillModel:
+        own = self._prefill.get(worker)
+        if own is not None and own.num_samples >= self.config.min_samples_own_fit:
+            return own
+        return self._pooled
+
+    # -- estimates --------------------------------------------------------------------------
+    def prefill_s(self, worker: WorkerId, new_tokens: int, cached_tokens: int = 0) -> float:
+        return self.prefill_model(worker).predict(new_tokens, cached_tokens)
+
+    def wait_s(self, worker: WorkerId) -> float:
+        load = self.loads.get(worker, WorkerLoad())
+        model = self.prefill_model(worker)
+        return (load.extra_wait_s + sum(model.predict(n) for n in load.waiting_tokens)
+                + load.running * self.config.decode_step_s)
+
+    def usable_tokens(self, prompt_tokens: int, held: int) -> int:
+        """Held prefix usable for a prompt: whole blocks, never the prompt's last token."""
+        bs = self.config.block_size
+        return max(0, min(held, prompt_tokens - 1) // bs * bs)
+
+    def plan_pull(self, target: WorkerId, start_block: int, end_block: int,
+                  holders: Mapping[WorkerId, int]) -> tuple[float, tuple[PullRange, ...]] | None:
+        """Split blocks ``[start_block, end_block)`` over holders (``holders[h]`` = blocks held),
+        one source per node (workers on one node share its link), minimising the makespan.
+
+        Greedy, deepest blocks first (they have the fewest eligible sources): each block goes to
+        the eligible source that would finish it earliest. Consecutive blocks merge into ranges.
+        """
+        if end_block <= start_block:
+            return 0.0, ()
+        dst = self.nodes.get(target, target)
+        per_node: dict[NodeId, tuple[WorkerId, int]] = {}
+        for h, blocks in holders.items():
+            if h == target or blocks <= start_block:
+                continue
+            node = self.nodes.get(h, h)
+            cur = per_node.get(node)
+            key = (blocks, -self.wait_s(h), h)
+            if cur is None or key > (cur[1], -self.wait_s(cur[0]), cur[0]):
+                per_node[node] = (h, blocks)
+        if not per_node or max(b for _, b in per_node.values()) < end_block:
+            return None
+        block_bytes = self.config.block_size * self.config.bytes_per_token
+        links = {n: self.links.estimate(n, dst) for n in per_node}
+        assigned: dict[NodeId, list[int]] = {n: [] for n in per_node}
+        finish = {n: 0.0 for n in per_node}
+        for blk in range(end_block - 1, start_block - 1, -1):
+            eligible = [n for n, (_, held) in per_node.items() if held > blk]
+            n = min(eligible, key=lambda x: (links[x].rtt_s + (len(assigned[x]) + 1) * block_bytes
+                                             / links[x].bandwidth_Bps, x))
+            assigned[n].append(blk)
+            finish[n] = links[n].transfer_s(len(assigned[n]) * block_bytes)
+        ranges: list[PullRange] = []
+        for n, blks in assigned.items():
+            blks.sort()
+            for _, grp in itertools.groupby(enumerate(blks), key=lambda t: t[1] - t[0]):
+                run = [b for _, b in grp]
+                nbytes = len(run) * block_bytes
+                ranges.append(PullRange(per_node[n][0], n, run[0], run[-1] + 1, nbytes,
+                                        links[n].transfer_s(nbytes)))
+        ranges.sort(key=lambda r: r.start_block)
+        return max(finish.values()), tuple(ranges)
+
+    # -- ranking ----------------------------------------------------------------------------
+    def candidates(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
+                   workers: Iterable[WorkerId] | None = None) -> list[Candidate]:
+        """Every option on every worker: its own prefix only, or pulls up to each deeper level."""
+        bs = self.config.block_size
+        targets = list(workers) if workers is not None else list(self.nodes)
+        held_blocks = {h: self.usable_tokens(prompt_tokens, t) // bs for h, t in holdings.items()}
+        levels = sorted(set(held_blocks.values()))
+        out: list[Candidate] = []
+        for w in targets:
+            wait = self.wait_s(w)
+            own = held_blocks.get(w, 0) * bs
+            pre = self.prefill_s(w, prompt_tokens - own, own)
+            out.append(Candidate(w, "local" if own else "recomputed", wait + pre, wait, pre, 0.0, own, 0))
+            for level in levels:
+                if level * bs <= own:
+                    continue
+                plan = self.plan_pull(w, own // bs, level, held_blocks)
+                if plan is None:
+                    continue
+                pull_s, ranges = plan
+                cached = level * bs
+                pre = self.prefill_s(w, prompt_tokens - cached, cached)
+                out.append(Candidate(w, "pulled", wait + pull_s + pre, wait, pre, pull_s, own,
+                                     cached - own, ranges))
+        return out
+
+    def rank(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
+             workers: Iterable[WorkerId] | None = None) -> list[Candidate]:
+        """Best candidate per worker, ascending expected TTFT (ties: fewer pulled tokens, id)."""
+        best: dict[WorkerId, Candidate] = {}
+        for c in self.candidates(prompt_tokens, holdings, workers):
+            cur = best.get(c.worker)
+            if cur is None or _order(c) < _order(cur):
+                best[c.worker] = c
+        return sorted(best.values(), key=_order)
+
+    def decide(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
+               workers: Iterable[WorkerId] | None = None) -> RouteDecision | None:
+        ranking = self.rank(prompt_tokens, holdings, workers)
+        return RouteDecision(ranking[0], tuple(ranking)) if ranking else None
+
+
+def _order(c: Candidate) -> tuple:
+    return (round(c.expected_ttft_s, 9), c.pulled_tokens, c.worker)
+
+
+def power_of_two(workers: Sequence[WorkerId], load: Mapping[WorkerId, float],
+                 rng: random.Random | None = None) -> WorkerId | None:
+    """Fallback without estimates: the less loaded of two random workers (ties: the first)."""
+    if not workers:
+        return None
+    rng = rng or random
+    if len(workers) == 1:
+        return workers[0]
+    a, b = rng.sample(list(workers), 2)
+    return b if load.get(b, 0.0) < load.get(a, 0.0) else a

@@ -1,0 +1,271 @@
+"""Tenants: the tenants file, API keys, grants, default reuse modes, rate and concurrency limits.
+
+Pure policy (no Ray, no torch). The serving front loads the file once (``KVMESH_TENANTS``, else
+the example in ``cluster/``), authenticates every request by its API key and asks
+``Admission`` whether the tenant may start one more request now.
+
+The tenants file (YAML; only ``name`` and ``api_keys`` are required)::
+
+    tenants:
+      - name: acme
+        api_keys: [sk-acme-demo]
+        share_with: [globex]      # grant: these tenants may reuse acme's KV (default: none)
+        reuse: exact              # default reuse mode: approximate | exact | none
+        priority: 1               # eviction priority class: higher is evicted last
+        cache: {min_blocks: 0, max_blocks: null, ttl_s: null}     # see policies.eviction
+        limits: {requests_per_s: 20, burst: 40, max_concurrent: 16}  # null = unlimited
+        workers: {min: 1, max: 4}  # autoscaling: guaranteed workers and cap (policies.autoscale)
+
+Share domains: a tenant writes its KV blocks into its own domain (its name), so no other
+tenant can hit them. A grant ``acme.share_with: [globex]`` adds ``acme`` to globex's read
+domains: globex's requests may reuse acme's blocks, never the other way round unless globex
+grants acme too. Users of one tenant always share.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from policies.autoscale import TenantShare
+from policies.eviction import TenantQuota
+
+TenantId = str
+# Must equal engine.sequence.REUSE_MODES (kept here so this module stays torch-free; a test checks).
+REUSE_MODES = ("approximate", "exact", "none")
+TENANTS_ENV = "KVMESH_TENANTS"
+
+
+class TenantsError(ValueError):
+    """The tenants file is malformed; the message names the tenant and the field."""
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """Token bucket: ``requests_per_s`` refill, ``burst`` capacity; ``max_concurrent`` in flight.
+    ``None`` means unlimited."""
+
+    requests_per_s: float | None = None
+    burst: int | None = None
+    max_concurrent: int | None = None
+
+    def __post_init__(self):
+        if self.requests_per_s is not None and not self.requests_per_s > 0:
+            raise TenantsError("limits.requests_per_s must be > 0 (or null)")
+        if self.burst is not None and (not isinstance(self.burst, int) or self.burst < 1):
+            raise TenantsError("limits.burst must be an integer >= 1 (or null)")
+        if self.max_concurrent is not None and (not isinstance(self.max_concurrent, int) or self.max_concurrent < 1):
+            raise TenantsError("limits.max_concurrent must be an integer >= 1 (or null)")
+
+    @property
+    def capacity(self) -> float:
+        """Bucket size: ``burst``, else one second's worth of requests (at least 1)."""
+        if self.burst is not None:
+            return float(self.burst)
+        return max(1.0, float(self.requests_per_s or 1.0))
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    name: TenantId
+    api_keys: tuple[str, ...]
+    share_with: tuple[TenantId, ...] = ()
+    reuse: str = "exact"
+    priority: int = 0
+    cache: TenantQuota = TenantQuota()
+    limits: RateLimit = RateLimit()
+    workers: TenantShare = TenantShare()
+
+
+_TENANT_FIELDS = {"name", "api_keys", "share_with", "reuse", "priority", "cache", "limits", "workers"}
+
+
+def _parse_tenant(d: object, defaults: Mapping) -> TenantConfig:
+    if not isinstance(d, dict):
+        raise TenantsError(f"each tenant must be a mapping, got {d!r}")
+    d = {**defaults, **d}
+    name = d.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise TenantsError(f"a tenant needs a non-empty string name, got {name!r}")
+    where = f"tenant {name!r}"
+    unknown = set(d) - _TENANT_FIELDS
+    if unknown:
+        raise TenantsError(f"{where}: unknown fields {sorted(unknown)}")
+    keys = d.get("api_keys")
+    if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
+        raise TenantsError(f"{where}: api_keys must be a non-empty list of non-empty strings")
+    share = d.get("share_with") or []
+    if not isinstance(share, list) or not all(isinstance(s, str) for s in share):
+        raise TenantsError(f"{where}: share_with must be a list of tenant names")
+    reuse = d.get("reuse", "exact")
+    if reuse not in REUSE_MODES:
+        raise TenantsError(f"{where}: reuse must be one of {REUSE_MODES}, got {reuse!r}")
+    priority = d.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise TenantsError(f"{where}: priority must be an integer")
+    try:
+        cache = TenantQuota(priority=priority, **(d.get("cache") or {}))
+        limits = RateLimit(**(d.get("limits") or {}))
+        w = d.get("workers") or {}
+        if not isinstance(w, dict) or set(w) - {"min", "max"}:
+            raise TenantsError(f"{where}: workers must be a mapping with min and max")
+        workers = TenantShare(min_workers=w.get("min", 0), max_workers=w.get("max"))
+    except (TypeError, ValueError) as e:
+        raise TenantsError(f"{where}: {e}") from None
+    return TenantConfig(name=name, api_keys=tuple(keys), share_with=tuple(share), reuse=reuse,
+                        priority=priority, cache=cache, limits=limits, workers=workers)
+
+
+class Tenants:
+    """The validated tenants table. Invariants: names and API keys are unique; every grant names
+    an existing other tenant."""
+
+    def __init__(self, tenants: list[TenantConfig]):
+        self.by_name: dict[TenantId, TenantConfig] = {}
+        self._by_key: dict[str, TenantConfig] = {}
+        for t in tenants:
+            if t.name in self.by_name:
+                raise TenantsError(f"duplicate tenant name {t.name!r}")
+            self.by_name[t.name] = t
+            for k in t.api_keys:
+                if k in self._by_key:
+                    raise TenantsError(f"API key of tenant {t.name!r} is also used by {self._by_key[k].name!r}")
+                self._by_key[k] = t
+        for t in tenants:
+            for other in t.share_with:
+                if other not in self.by_name:
+                    raise TenantsError(f"tenant {t.name!r}: share_with names unknown tenant {other!r}")
+                if other == t.name:
+                    raise TenantsError(f"tenant {t.name!r}: share_with names itself")
+        if not self.by_name:
+            raise TenantsError("the tenants file defines no tenants")
+
+    @classmethod
+    def from_dict(cls, data: object) -> "Tenants":
+        if not isinstance(data, dict) or not isinstance(data.get("tenants"), list):
+            raise TenantsError("the tenants file must be a mapping with a 'tenants' list")
+        unknown = set(data) - {"tenants", "defaults"}
+        if unknown:
+            raise TenantsError(f"unknown top-level fields {sorted(unknown)}")
+        defaults = data.get("defaults") or {}
+        if not isinstance(defaults, dict) or {"name", "api_keys"} & set(defaults):
+            raise TenantsError("defaults must be a mapping without name or api_keys")
+        return cls([_parse_tenant(t, defaults) for t in data["tenants"]])
+
+    # -- questions ---------------------------------------------------------------------------
+    def authenticate(self, api_key: str | None) -> TenantConfig | None:
+        """The tenant owning ``api_key``; None for a missing or unknown key."""
+        if not api_key:
+            return None
+        return self._by_key.get(api_key)
+
+    def __getitem__(self, name: TenantId) -> TenantConfig:
+        return self.by_name[name]
+
+    def __iter__(self):
+        return iter(self.by_name.values())
+
+    def names(self) -> list[TenantId]:
+        return list(self.by_name)
+
+    def share_domain(self, name: TenantId) -> str:
+        """The domain a tenant's blocks are written into: its own."""
+        return name
+
+    def read_domains(self, name: TenantId) -> tuple[str, ...]:
+        """Domains besides its own that ``name`` may read: those of tenants that granted it."""
+        return tuple(sorted(t.name for t in self.by_name.values() if name in t.share_with))
+
+    def eviction_quotas(self) -> dict[TenantId, TenantQuota]:
+        return {t.name: t.cache for t in self.by_name.values()}
+
+    def worker_shares(self) -> dict[TenantId, TenantShare]:
+        return {t.name: t.workers for t in self.by_name.values()}
+
+
+def tenants_path(default: str | os.PathLike) -> Path:
+    """``$KVMESH_TENANTS`` if set, else ``default``."""
+    return Path(os.environ.get(TENANTS_ENV) or default)
+
+
+def read_tenants_file(path: str | os.PathLike) -> dict:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise TenantsError(f"tenants file {p} not found (set {TENANTS_ENV} or pass tenants=...)")
+    with open(p) as f:
+        data = yaml.safe_load(f)
+    Tenants.from_dict(data)  # validate early, with the file's name in the traceback
+    return data
+
+
+# -- admission: rate and concurrency limits ----------------------------------------------------
+@dataclass
+class TokenBucket:
+    """Refills ``rate`` tokens per second up to ``capacity``; a request takes one token."""
+
+    rate: float
+    capacity: float
+    tokens: float = field(default=-1.0)
+    updated: float = 0.0
+
+    def __post_init__(self):
+        if self.tokens < 0:
+            self.tokens = self.capacity
+
+    def take(self, now: float) -> float:
+        """Take a token: 0.0 on success, else the seconds until one is available (nothing taken)."""
+        self.tokens = min(self.capacity, self.tokens + max(0.0, now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate
+
+
+@dataclass(frozen=True)
+class AdmitDecision:
+    ok: bool
+    retry_after_s: float = 0.0
+    reason: str = ""  # "rate" | "concurrency" when refused
+
+    @property
+    def retry_after_header(self) -> str:
+        """Retry-After is whole seconds; never 0 for a refusal."""
+        return str(max(1, math.ceil(self.retry_after_s)))
+
+
+class Admission:
+    """Per-tenant token buckets and in-flight counts. Invariant: ``inflight[t]`` equals the number
+    of ``admit`` successes for t not yet matched by ``release``; a refused request consumes
+    nothing."""
+
+    def __init__(self, tenants: Tenants):
+        self.tenants = tenants
+        self._buckets: dict[TenantId, TokenBucket] = {}
+        self.inflight: dict[TenantId, int] = {}
+
+    def admit(self, tenant: TenantId, now: float) -> AdmitDecision:
+        limits = self.tenants[tenant].limits
+        n = self.inflight.get(tenant, 0)
+        if limits.max_concurrent is not None and n >= limits.max_concurrent:
+            return AdmitDecision(False, 1.0, "concurrency")
+        if limits.requests_per_s is not None:
+            bucket = self._buckets.get(tenant)
+            if bucket is None:
+                bucket = self._buckets[tenant] = TokenBucket(limits.requests_per_s, limits.capacity, updated=now)
+            wait = bucket.take(now)
+            if wait > 0:
+                return AdmitDecision(False, wait, "rate")
+        self.inflight[tenant] = n + 1
+        return AdmitDecision(True)
+
+    def release(self, tenant: TenantId) -> None:
+        n = self.inflight.get(tenant, 0)
+        if n <= 0:
+            raise RuntimeError(f"release without admit for tenant {tenant!r}")
+        self.inflight[tenant] = n - 1

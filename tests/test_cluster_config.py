@@ -1,0 +1,38 @@
+"""The shipped cluster configs parse: Serve app configs and `ray up` cluster configs."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+CLUSTER = Path(__file__).resolve().parents[1] / "cluster"
+
+
+@pytest.mark.parametrize("name", ["serve.yaml", "serve-gpu.yaml"])
+def test_serve_configs_validate_and_their_args_are_known(name):
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.app import AppSettings
+
+    data = yaml.safe_load((CLUSTER / name).read_text())
+    ServeDeploySchema.model_validate(data)
+    app = data["applications"][0]
+    assert app["import_path"] == "cluster.app:build_app"
+    AppSettings.from_args(app["args"]).autoscale()
+    if name == "serve.yaml":  # the start contract
+        assert data["http_options"] == {"host": "127.0.0.1", "port": 8000} and app["route_prefix"] == "/"
+        assert app["args"]["model"] == "default"
+
+
+def test_unknown_app_args_are_rejected():
+    from cluster.app import AppSettings
+
+    with pytest.raises(ValueError, match="modle"):
+        AppSettings.from_args({"modle": "default"})
+
+
+@pytest.mark.parametrize("name", ["ray-up-local.yaml", "ray-up-aws-gpu.yaml"])
+def test_ray_up_configs_validate(name):
+    from ray.autoscaler._private.util import fillout_defaults, validate_config
+
+    validate_config(fillout_defaults(yaml.safe_load((CLUSTER / name).read_text())))

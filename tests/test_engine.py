@@ -1,0 +1,206 @@
+"""The worker engine: HF-exact greedy outputs, batching, chunked prefill, preemption, bad input."""
+
+import numpy as np
+import pytest
+import torch
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sequence import InvalidRequest, Request, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "List three colors:",
+    "Translate to French: I would like a cup of coffee, please.",
+    "Q: What is 12 times 7?\nA:",
+    "The quick brown fox",
+    "import numpy as np\n\n# compute the mean of an array\n",
+    "Write a haiku about the sea.",
+    "Dear customer, thank you for your order. Unfortunately,",
+    "In 1969, the first humans",
+    "Photosynthesis is the process by which",
+    "SELECT name, age FROM users WHERE",
+    "The three laws of thermodynamics are",
+    "Recipe for pancakes:\n1.",
+    "Message: I loved this movie!\nLabel: positive\n\nMessage: The food was cold.\nLabel:",
+    "A list of prime numbers: 2, 3, 5, 7,",
+    "Summarize: The meeting covered budget planning for next year, hiring two engineers, "
+    "and moving the office to a larger space downtown. Everyone agreed on the budget. " * 3,
+    "<|im_start|>user\nWhat is the tallest mountain?<|im_end|>\n<|im_start|>assistant\n",
+    "Hello",
+]
+
+
+def hf_greedy(model, ids, max_new_tokens):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return out[0, len(ids):].tolist()
+
+
+def output_ids(outs):
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def assert_pool_clean(engine: LLMEngine):
+    """Every block is free or cached-evictable; no reference is held."""
+    assert engine.pool.num_free_blocks() == engine.pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in engine.pool.blocks)
+    assert not engine.seqs and not engine.has_unfinished()
+
+
+@pytest.fixture(scope="module")
+def default_engine(default_model):
+    return LLMEngine(EngineConfig(num_blocks=1024, max_num_batched_tokens=256), loaded=default_model)
+
+
+@pytest.mark.model
+def test_greedy_equals_hf_generate_one_at_a_time_and_batched(default_engine, default_model):
+    eng = default_engine
+    prompts = [eng.encode(p) for p in PROMPTS]
+    refs = [hf_greedy(default_model.model, ids, GREEDY.max_tokens) for ids in prompts]
+    # one at a time, without prefix caching interfering (reuse none)
+    for i, ids in enumerate(prompts):
+        res = eng.generate([Request(f"single{i}", tuple(ids), GREEDY, reuse="none")])
+        assert output_ids(res[f"single{i}"]) == refs[i], PROMPTS[i]
+    # all together: one continuous batch with chunked prefill (budget 256 < total prompt tokens)
+    res = eng.generate([Request(f"batch{i}", tuple(ids), GREEDY) for i, ids in enumerate(prompts)])
+    for i in range(len(prompts)):
+        assert output_ids(res[f"batch{i}"]) == refs[i], PROMPTS[i]
+    assert_pool_clean(eng)
+
+
+@pytest.mark.model
+def test_text_and_finish_reasons(default_engine):
+    eng = default_engine
+    ids = eng.encode("The capital of France is")
+    res = eng.generate([Request("t", tuple(ids), SamplingParams(max_tokens=5, temperature=0))])["t"]
+    text = "".join(o.new_text for o in res)
+    assert text == eng.tokenizer.decode(output_ids(res), skip_special_tokens=True)
+    assert res[-1].finished and res[-1].finish_reason == "length"
+    assert [o.finished for o in res[:-1]] == [False] * (len(res) - 1)
+
+
+def tiny_engine(tiny_model, **kw):
+    cfg = dict(model="tiny-llama", num_blocks=64, block_size=16, max_num_batched_tokens=512)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(**cfg), loaded=tiny_model)
+
+
+def prompt(seed, n):
+    g = np.random.default_rng(seed)
+    return tuple(int(x) for x in g.integers(3, 250, n))
+
+
+def test_chunked_prefill_and_batching_do_not_change_outputs(tiny_model):
+    reqs = lambda: [Request(f"r{i}", prompt(i, 20 + 37 * i), GREEDY) for i in range(6)]  # noqa: E731
+    ref = {k: output_ids(v) for k, v in tiny_engine(tiny_model).generate(reqs()).items()}
+    # one request at a time
+    single = tiny_engine(tiny_model)
+    for r in reqs():
+        assert output_ids(single.generate([r])[r.request_id]) == ref[r.request_id]
+    # tiny token budget: prefills are chunked into 7-token pieces, mixed with decodes
+    chunked = tiny_engine(tiny_model, max_num_batched_tokens=7)
+    got = {k: output_ids(v) for k, v in chunked.generate(reqs()).items()}
+    assert got == ref
+    assert chunked.num_steps > single.num_steps / 6
+    assert_pool_clean(chunked)
+
+
+def test_preemption_under_a_small_pool_keeps_outputs(tiny_model):
+    reqs = lambda: [Request(f"r{i}", prompt(i, 60), SamplingParams(max_tokens=40, temperature=0)) for i in range(5)]  # noqa: E731
+    ref = {k: output_ids(v) for k, v in tiny_engine(tiny_model, num_blocks=128).generate(reqs()).items()}
+    small = tiny_engine(tiny_model, num_blocks=12)  # 5 x 100 tokens need 35 blocks
+    got = {k: output_ids(v) for k, v in small.generate(reqs()).items()}
+    assert got == ref
+    assert small.scheduler.num_preemptions > 0
+    assert_pool_clean(small)
+
+
+def test_pool_accounting_after_finished_and_aborted_requests(tiny_model):
+    eng = tiny_engine(tiny_model, num_blocks=40, max_num_batched_tokens=32)
+    for i in range(8):
+        eng.add_request(Request(f"r{i}", prompt(i % 3, 45 + i), SamplingParams(max_tokens=10 + i, temperature=0)))
+    aborted = set()
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        if steps == 3:
+            for rid in ("r1", "r4"):  # mid-prefill / waiting
+                assert eng.abort(rid).finish_reason == "abort"
+                aborted.add(rid)
+        if steps == 9:
+            assert eng.abort("r0").finish_reason == "abort"  # mid-decode
+            aborted.add("r0")
+    assert eng.abort("r0") is None  # aborting twice is harmless
+    assert_pool_clean(eng)
+    assert eng.pool.eviction.num_evictable() == len(eng.pool._cached)
+
+
+def test_bad_input_raises_and_leaves_pool_intact(tiny_model):
+    eng = tiny_engine(tiny_model, num_blocks=16)  # context 256 tokens
+    free = eng.pool.num_free_blocks()
+    bad = [
+        lambda: Request("a", (), GREEDY),
+        lambda: Request("b", prompt(0, 300), GREEDY),
+        lambda: Request("c", prompt(0, 250), SamplingParams(max_tokens=10, temperature=0)),
+        lambda: Request("d", (5, 6, 10**6), GREEDY),
+        lambda: Request("e", (5, 6), GREEDY, reuse="sometimes"),
+    ]
+    for make in bad:
+        with pytest.raises(InvalidRequest):
+            eng.add_request(make())
+    for kwargs in [dict(max_tokens=0), dict(max_tokens=-3), dict(temperature=-1), dict(temperature=float("nan")),
+                   dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(stop=[""]), dict(stop=["a"] * 5),
+                   dict(seed="x")]:
+        with pytest.raises(InvalidRequest):
+            SamplingParams(**kwargs)
+    with pytest.raises(InvalidRequest, match="unknown sampling"):
+        SamplingParams.from_dict({"max_tokens": 3, "temprature": 0.5})
+    eng.add_request(Request("ok", (5, 6, 7), GREEDY))
+    with pytest.raises(InvalidRequest, match="duplicate"):
+        eng.add_request(Request("ok", (5, 6, 7), GREEDY))
+    assert eng.pool.num_free_blocks() == free
+    while eng.has_unfinished():
+        eng.step()
+    assert_pool_clean(eng)
+
+
+def test_seeded_sampling_is_reproducible_and_varies_with_seed(tiny_model):
+    def run(seed):
+        eng = tiny_engine(tiny_model)
+        p = SamplingParams(max_tokens=20, temperature=1.5, top_p=0.95, top_k=50, seed=seed)
+        return output_ids(eng.generate([Request("s", prompt(1, 30), p)])["s"])
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_stop_strings_cut_text_and_finish(tiny_model):
+    eng = tiny_engine(tiny_model)
+    full = "".join(o.new_text for o in eng.generate([Request("f", prompt(2, 30), SamplingParams(max_tokens=30, temperature=0))])["f"])
+    # pick a stop string from the middle of the greedy continuation
+    stop = full[5:7]
+    assert stop, full
+    res = eng.generate([Request("s", prompt(2, 30), SamplingParams(max_tokens=30, temperature=0, stop=[stop]))])["s"]
+    text = "".join(o.new_text for o in res)
+    assert res[-1].finish_reason == "stop"
+    assert text == full[: full.find(stop)]
+    assert stop not in text
+
+
+def test_export_import_blocks_roundtrip(tiny_model):
+    eng = tiny_engine(tiny_model)
+    eng.generate([Request("x", prompt(3, 40), SamplingParams(max_tokens=1, temperature=0))])
+    kv = eng.cache.export_blocks([0, 1], positions=[0, 16], model_id=eng.loaded.model_id)
+    assert kv.k.shape == (2, 2, 16, 2, 16) and kv.k.dtype == np.float32
+    eng.cache.import_blocks([5, 6], kv)
+    again = eng.cache.export_blocks([5, 6], positions=[0, 16], model_id=eng.loaded.model_id)
+    np.testing.assert_array_equal(again.k, kv.k)
+    np.testing.assert_array_equal(again.v, kv.v)
+    with pytest.raises(ValueError):
+        eng.cache.import_blocks([5], kv)

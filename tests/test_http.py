@@ -1,0 +1,278 @@
+"""The HTTP front end to end: Ray Serve on 127.0.0.1, driven by the real ``openai`` client.
+
+Most tests use the tiny random model (byte tokenizer, instant); one test checks determinism on
+the default model against HF transformers' greedy ``generate``.
+"""
+
+import os
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+import yaml
+
+pytestmark = pytest.mark.ray
+
+TINY = "tiny-llama"
+TENANTS = {"tenants": [
+    {"name": "acme", "api_keys": ["sk-acme"], "share_with": ["globex"]},
+    {"name": "globex", "api_keys": ["sk-globex"]},
+    {"name": "solo", "api_keys": ["sk-solo"]},
+    {"name": "plain", "api_keys": ["sk-plain"], "reuse": "none"},
+    {"name": "limited", "api_keys": ["sk-limited"], "limits": {"requests_per_s": 0.001, "burst": 1}},
+]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    tenants = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
+    tenants.write_text(yaml.safe_dump(TENANTS))
+    serve.run(build_app({"model": TINY, "tenants": str(tenants), "kv_cache_bytes": 16 << 20,
+                         "worker_num_cpus": 0}), name="tiny", route_prefix="/")
+    base = f"http://127.0.0.1:{port}"
+    yield {"base": base, "tenants": str(tenants), "serve": serve}
+    serve.shutdown()
+    if started:
+        ray.shutdown()
+
+
+def client(server, key="sk-acme", prefix=""):
+    return openai.OpenAI(base_url=f"{server['base']}{prefix}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def http(server):
+    return httpx.Client(base_url=server["base"], timeout=120)
+
+
+def _cached(resp) -> int:
+    return resp.usage.prompt_tokens_details.cached_tokens
+
+
+def test_health_and_models(server):
+    assert http(server).get("/health").json()["status"] == "ok"
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == [TINY]
+
+
+def test_completion_reports_cached_tokens_on_repeat_and_kvmesh_object(server):
+    c = client(server)
+    prompt = "The quick brown fox jumps over the lazy dog; " * 3
+    r1 = c.completions.create(model=TINY, prompt=prompt, max_tokens=8, temperature=0)
+    r2 = c.completions.create(model=TINY, prompt=prompt, max_tokens=8, temperature=0)
+    assert r1.usage.prompt_tokens == len(prompt.encode()) and r1.usage.completion_tokens == 8
+    assert _cached(r1) == 0
+    assert _cached(r2) > 0 and _cached(r2) == r2.usage.prompt_tokens // 16 * 16
+    assert r2.choices[0].text == r1.choices[0].text
+    kv = r2.model_extra["kvmesh"]
+    assert kv["route"] == "local" and kv["exact_cached_tokens"] == _cached(r2)
+    assert kv["approx_cached_tokens"] == 0 and kv["pulled_tokens"] == 0 and kv["worker"]
+
+
+def test_grants_and_isolation(server):
+    prompt = "System: you are a helpful assistant for the acme corporation. " * 2
+    a = client(server, "sk-acme").completions.create(model=TINY, prompt=prompt, max_tokens=2, temperature=0)
+    assert _cached(a) == 0
+    g = client(server, "sk-globex").completions.create(model=TINY, prompt=prompt, max_tokens=2, temperature=0)
+    assert _cached(g) > 0  # acme.share_with: [globex]
+    s = client(server, "sk-solo").completions.create(model=TINY, prompt=prompt, max_tokens=2, temperature=0)
+    assert _cached(s) == 0  # no grant: isolated
+    other = "globex's own system prompt, never granted to anyone at all. " * 2
+    client(server, "sk-globex").completions.create(model=TINY, prompt=other, max_tokens=2, temperature=0)
+    back = client(server, "sk-acme").completions.create(model=TINY, prompt=other, max_tokens=2, temperature=0)
+    assert _cached(back) == 0  # grants are one way
+
+
+def test_reuse_mode_from_request_and_tenant_default(server):
+    prompt = "Reuse modes decide whether cached KV may be used at all. " * 2
+    c = client(server)
+    c.completions.create(model=TINY, prompt=prompt, max_tokens=2, temperature=0)
+    r = c.completions.create(model=TINY, prompt=prompt, max_tokens=2, temperature=0, extra_body={"kvmesh": {"reuse": "none"}})
+    assert _cached(r) == 0 and r.model_extra["kvmesh"]["reuse"] == "none"
+    p = client(server, "sk-plain")
+    p.completions.create(model=TINY, prompt=prompt, max_tokens=2, temperature=0)
+    r = p.completions.create(model=TINY, prompt=prompt, max_tokens=2, temperature=0)
+    assert _cached(r) == 0 and r.model_extra["kvmesh"]["reuse"] == "none"  # the tenant's default
+    for _ in range(2):  # reuse "none" neither reads nor (in this engine) writes the prefix cache
+        r = p.completions.create(model=TINY, prompt=prompt, max_tokens=2, temperature=0,
+                                 extra_body={"kvmesh": {"reuse": "exact"}})
+    assert _cached(r) > 0 and r.model_extra["kvmesh"]["reuse"] == "exact"
+
+
+def test_streaming_completion_equals_non_streaming(server):
+    c = client(server)
+    prompt = "Streaming and non-streaming must agree at temperature zero."
+    whole = c.completions.create(model=TINY, prompt=prompt, max_tokens=12, temperature=0)
+    chunks = list(c.completions.create(model=TINY, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == whole.choices[0].text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12 and _cached(chunks[-1]) > 0
+
+
+def test_chat_completion_streaming_and_not(server):
+    c = client(server)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+    whole = c.chat.completions.create(model=TINY, messages=msgs, max_tokens=10, temperature=0)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.usage.completion_tokens == 10 and "kvmesh" in whole.model_extra
+    chunks = list(c.chat.completions.create(model=TINY, messages=msgs, max_tokens=10, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert text == whole.choices[0].message.content
+    again = c.chat.completions.create(model=TINY, messages=msgs, max_tokens=10, temperature=0)
+    assert _cached(again) > 0
+
+
+def test_sse_ends_with_done(server):
+    with http(server).stream("POST", "/v1/completions", headers={"Authorization": "Bearer sk-acme"},
+                             json={"model": TINY, "prompt": "sse", "max_tokens": 3, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+
+def test_bad_or_missing_key_is_401(server):
+    with pytest.raises(openai.AuthenticationError) as e:
+        client(server, "sk-wrong").completions.create(model=TINY, prompt="x", max_tokens=1)
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    for headers in ({}, {"Authorization": "sk-acme"}, {"Authorization": "Basic sk-acme"}):
+        r = http(server).post("/v1/chat/completions", headers=headers, json={"model": TINY, "messages": []})
+        assert r.status_code == 401 and set(r.json()["error"]) >= {"message", "type", "code"}
+    assert http(server).get("/v1/models").status_code == 401
+
+
+BAD = [
+    ("malformed json", "/v1/completions", b'{"model": "tiny-llama", "prompt": ', 400),
+    ("not an object", "/v1/completions", b'[1, 2]', 400),
+    ("wrong type", "/v1/completions", {"model": TINY, "prompt": "x", "max_tokens": "ten"}, 400),
+    ("wrong prompt type", "/v1/completions", {"model": TINY, "prompt": {"a": 1}}, 400),
+    ("missing prompt", "/v1/completions", {"model": TINY}, 400),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404),
+    ("prompt too long", "/v1/completions", {"model": TINY, "prompt": "x" * 1100}, 400),
+    ("max_tokens too large", "/v1/completions", {"model": TINY, "prompt": "x", "max_tokens": 5000}, 400),
+    ("max_tokens zero", "/v1/completions", {"model": TINY, "prompt": "x", "max_tokens": 0}, 400),
+    ("bad stop", "/v1/completions", {"model": TINY, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400),
+    ("empty stop", "/v1/completions", {"model": TINY, "prompt": "x", "stop": ""}, 400),
+    ("stop wrong type", "/v1/completions", {"model": TINY, "prompt": "x", "stop": 7}, 400),
+    ("temperature", "/v1/completions", {"model": TINY, "prompt": "x", "temperature": 9}, 400),
+    ("n", "/v1/completions", {"model": TINY, "prompt": "x", "n": 2}, 400),
+    ("bad reuse", "/v1/completions", {"model": TINY, "prompt": "x", "kvmesh": {"reuse": "maybe"}}, 400),
+    ("empty prompt", "/v1/completions", {"model": TINY, "prompt": ""}, 400),
+    ("no messages", "/v1/chat/completions", {"model": TINY, "messages": []}, 400),
+    ("bad role", "/v1/chat/completions", {"model": TINY, "messages": [{"role": "robot", "content": "x"}]}, 400),
+    ("chat too long", "/v1/chat/completions", {"model": TINY, "messages": [{"role": "user", "content": "y" * 1100}]}, 400),
+]
+
+
+@pytest.mark.parametrize("name, path, body, status", BAD, ids=[b[0] for b in BAD])
+def test_bad_inputs_get_openai_error_bodies(server, name, path, body, status):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = http(server).post(path, headers={"Authorization": "Bearer sk-acme", "Content-Type": "application/json"}, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and "type" in err and "code" in err
+
+
+def test_openai_client_sees_4xx_as_exceptions(server):
+    c = client(server)
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=TINY, prompt="x" * 1100)
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_rate_limit_is_429_with_retry_after(server):
+    c = client(server, "sk-limited")
+    c.completions.create(model=TINY, prompt="first", max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as e:
+        c.completions.create(model=TINY, prompt="second", max_tokens=1)
+    assert e.value.status_code == 429 and int(e.value.response.headers["Retry-After"]) >= 1
+    assert e.value.body["code"] == "rate_limit_exceeded"
+
+
+def _worker_engines(server):
+    r = http(server).get("/kvmesh/workers", headers={"Authorization": "Bearer sk-acme"})
+    return [w["engine"] for w in r.json()["workers"] if w["engine"]]
+
+
+def test_client_disconnect_mid_stream_frees_blocks(server):
+    body = {"model": TINY, "prompt": "a long generation that the client abandons", "max_tokens": 900,
+            "ignore_eos": True, "stream": True}
+    with http(server).stream("POST", "/v1/completions", headers={"Authorization": "Bearer sk-solo"}, json=body) as r:
+        assert r.status_code == 200
+        it = r.iter_lines()
+        got = [next(it) for _ in range(4)]
+        assert any(line.startswith("data: {") for line in got)
+    deadline = time.monotonic() + 60
+    while True:
+        engines = _worker_engines(server)
+        if all(e["running"] == 0 and e["waiting"] == 0 for e in engines):
+            break
+        assert time.monotonic() < deadline, engines
+        time.sleep(0.2)
+    solo = [e["tenants"].get("solo") for e in engines if "solo" in e["tenants"]]
+    # the engine counts output tokens only for requests that finished: 0 means it was aborted
+    assert solo and all(t["output_tokens"] < 900 for t in solo)
+    assert all(e["free_blocks"] == e["num_blocks"] for e in engines)
+
+
+def test_metrics_per_tenant(server):
+    c = client(server, "sk-globex")
+    c.completions.create(model=TINY, prompt="metrics " * 8, max_tokens=2)
+    c.completions.create(model=TINY, prompt="metrics " * 8, max_tokens=2)
+    text = http(server).get("/metrics").text
+    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+               if line and not line.startswith("#")}
+    assert samples['kvmesh_prompt_tokens_total{tenant="globex"}'] > 0
+    assert samples['kvmesh_cached_tokens_total{tenant="globex"}'] > 0
+    assert samples['kvmesh_ttft_seconds_count{tenant="globex"}'] >= 2
+    assert 'kvmesh_queue_depth{tenant="globex"}' in samples
+    assert samples['kvmesh_requests_total{code="401",endpoint="completions",tenant="-"}'] >= 1
+
+
+@pytest.mark.model
+def test_greedy_http_completions_equal_hf_generate(server):
+    """temperature 0 + reuse exact over HTTP == HF greedy generate, with and without cache hits."""
+    import torch
+
+    from cluster.app import build_app
+    from engine.model_loader import load_model
+
+    server["serve"].run(build_app({"model": "default", "tenants": server["tenants"], "kv_cache_bytes": 64 << 20,
+                                   "worker_num_cpus": 0}), name="smol", route_prefix="/smol")
+    loaded = load_model("default")
+    tok, model = loaded.tokenizer, loaded.model
+    c = client(server, prefix="/smol")
+    prompts = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+               "Once upon a time, in a small village by the sea, there lived an old fisherman who"]
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=20, do_sample=False)
+        want = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+        for _ in range(2):  # the second run hits the prefix cache
+            r = c.completions.create(model=loaded.name, prompt=prompt, max_tokens=20, temperature=0,
+                                     extra_body={"kvmesh": {"reuse": "exact"}})
+            assert r.choices[0].text == want
+        assert _cached(r) == r.usage.prompt_tokens // 16 * 16

@@ -1,0 +1,98 @@
+"""The index actor on a 3-node Ray cluster on loopback: holders, dead workers, index restart."""
+
+import asyncio
+import os
+import time
+
+import pytest
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from actors.index_actor import get_or_create_index, lookup_with_timeout  # noqa: E402
+from actors.prefix_index import prompt_chains  # noqa: E402
+from actors.worker import worker_actor_class  # noqa: E402
+from engine.llm_engine import EngineConfig  # noqa: E402
+from engine.sequence import Request, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.ray
+BS = 16
+WAIT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        c.add_node(num_cpus=1, resources={"node_a": 1})
+        c.add_node(num_cpus=1, resources={"node_b": 1})
+        c.wait_for_nodes()
+        ray.init(address=c.address, namespace="kvmesh-test", log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def poll(fn, want, wait_s=WAIT_S):
+    """Call fn until it returns ``want`` (bounded); returns the last value."""
+    deadline, got = time.monotonic() + wait_s, None
+    while time.monotonic() < deadline:
+        try:
+            got = fn()
+        except ray.exceptions.RayError:
+            got = "error"
+        if got == want:
+            return got
+        time.sleep(0.2)
+    return got
+
+
+def test_index_tracks_workers_across_nodes_and_restarts(cluster):
+    index = get_or_create_index(BS, liveness_s=0.2, stale_s=60.0)
+    W = worker_actor_class(num_gpus=0, num_cpus=1)
+    cfg = EngineConfig(model="tiny-llama", num_blocks=64, max_num_batched_tokens=256)
+    wa = W.options(resources={"node_a": 1}).remote("wa", cfg)
+    wb = W.options(resources={"node_b": 1}).remote("wb", cfg)
+    info_a, info_b = ray.get([wa.ready.remote(), wb.ready.remote()], timeout=120)
+    assert info_a["node_id"] != info_b["node_id"]  # pinned to different nodes
+    ray.get([w.start_index_publisher.remote(0.05, 0.2) for w in (wa, wb)], timeout=60)
+
+    shared = [(7 * i) % 256 for i in range(70)]
+    only_a = [(11 * i + 3) % 256 for i in range(50)]
+    only_b = [(13 * i + 5) % 256 for i in range(50)]
+    p = SamplingParams(max_tokens=2, temperature=0.0)
+    runs = [(wa, "s-a", shared), (wb, "s-b", shared), (wa, "a", only_a), (wb, "b", only_b)]
+    ray.get([w.generate_all.remote(Request(rid, tuple(t), p, tenant="t1")) for w, rid, t in runs], timeout=120)
+
+    model_id = info_a["model_id"]
+
+    def look(tokens, domains=("t1",)):
+        return ray.get(index.lookup.remote(prompt_chains(tokens, BS, model_id, domains)), timeout=10)
+
+    # 70 prompt tokens + 1 computed output token -> 4 full blocks; 50 (+1) -> 3 blocks
+    assert poll(lambda: look(shared), {"wa": 64, "wb": 64}) == {"wa": 64, "wb": 64}
+    assert poll(lambda: look(only_a), {"wa": 48}) == {"wa": 48}
+    assert poll(lambda: look(only_b), {"wb": 48}) == {"wb": 48}
+    assert look(shared[:40] + only_a) == {"wa": 32, "wb": 32}  # diverges inside block 2
+    assert look(shared, ("t2",)) == {}  # another tenant's domain never matches
+    chains = prompt_chains(shared, BS, model_id, ["t1"])
+    assert asyncio.run(lookup_with_timeout(index, chains, timeout_s=10.0)) == {"wa": 64, "wb": 64}
+    stats = ray.get(index.stats.remote())
+    assert stats["workers"] == 2 and stats["blocks"] == 4 + 3 + 3
+
+    # a dead worker's entries are dropped (liveness check on its actor handle)
+    ray.kill(wb)
+    assert poll(lambda: look(shared), {"wa": 64}) == {"wa": 64}
+    assert poll(lambda: look(only_b), {}) == {}
+
+    # kill the index: it restarts (max_restarts=-1) and rebuilds from the workers' snapshots
+    ray.kill(index, no_restart=False)
+    assert poll(lambda: ray.get(index.stats.remote(), timeout=10)["epoch"] != stats["epoch"], True) is True
+    assert poll(lambda: look(shared), {"wa": 64}) == {"wa": 64}
+    assert look(only_a) == {"wa": 48} and look(only_b) == {}
+    assert ray.get(index.stats.remote(), timeout=10)["workers"] == 1
+    ray.kill(wa)
+    ray.kill(index)

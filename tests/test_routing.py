@@ -1,0 +1,237 @@
+"""Cost model of the network-aware router (policies/routing.py): pure, no Ray."""
+
+import asyncio
+import random
+
+import pytest
+
+from policies.routing import (CostConfig, CostModel, LinkModel, LinkPrior, PrefillModel, PrefillPrior,
+                              WorkerLoad, power_of_two)
+
+BS = 16
+BPT = 46080  # SmolLM2-135M K+V bytes per token in float32
+GBIT = 125e6
+
+
+def model(*workers, prior=None) -> CostModel:
+    cm = CostModel(CostConfig(block_size=BS, bytes_per_token=BPT, prefill_prior=prior or PrefillPrior()))
+    for w, node in workers:
+        cm.register(w, node)
+    return cm
+
+
+def teach_link(cm: CostModel, src: str, dst: str, bps: float, rtt: float = 1e-3, n: int = 5) -> None:
+    for _ in range(n):
+        nbytes = 32 << 20
+        cm.links.observe_rtt(src, dst, rtt)
+        cm.links.observe_transfer(src, dst, nbytes, rtt + nbytes / bps)
+
+
+def covered(ranges) -> list[int]:
+    return sorted(b for r in ranges for b in range(r.start_block, r.end_block))
+
+
+# -- decisions -------------------------------------------------------------------------------
+def test_high_bandwidth_pulls_to_idle_worker_when_holder_is_loaded():
+    cm = model(("A", "n1"), ("B", "n2"))
+    teach_link(cm, "n1", "n2", 10 * GBIT / 8 * 8)  # 10 Gbit/s
+    cm.observe_load("A", WorkerLoad(extra_wait_s=5.0))
+    d = cm.decide(2048, {"A": 2048})
+    assert d.worker == "B" and d.kind == "pulled"
+    assert d.chosen.pulled_tokens == 2032 and d.chosen.local_tokens == 0  # never the last block
+    assert covered(d.chosen.pulls) == list(range(127))
+    assert {r.holder for r in d.chosen.pulls} == {"A"}
+
+
+def test_low_bandwidth_recomputes_rather_than_pulls():
+    cm = model(("A", "n1"), ("B", "n2"))
+    teach_link(cm, "n1", "n2", 100e6 / 8)  # 100 Mbit/s: 94 MB of KV takes ~7.5 s
+    cm.observe_load("A", WorkerLoad(extra_wait_s=5.0))
+    d = cm.decide(2048, {"A": 2048})
+    assert d.worker == "B" and d.kind == "recomputed" and d.chosen.pulled_tokens == 0
+
+
+def test_low_bandwidth_routes_to_idle_holder():
+    cm = model(("A", "n1"), ("B", "n2"))
+    teach_link(cm, "n1", "n2", 100e6 / 8)
+    d = cm.decide(2048, {"A": 2048})
+    assert d.worker == "A" and d.kind == "local" and d.chosen.local_tokens == 2032
+
+
+def test_switches_from_recompute_to_pull_as_bandwidth_is_learned():
+    cm = model(("A", "n1"), ("B", "n2"))
+    cm.observe_load("A", WorkerLoad(extra_wait_s=5.0))
+    teach_link(cm, "n1", "n2", 100e6 / 8)
+    assert cm.decide(2048, {"A": 2048}).kind == "recomputed"
+    teach_link(cm, "n1", "n2", 10e9 / 8, n=20)
+    assert cm.decide(2048, {"A": 2048}).kind == "pulled"
+
+
+def test_loaded_holders_split_pull_across_nodes():
+    cm = model(("A", "n1"), ("C", "n3"), ("B", "n2"))
+    for src in ("n1", "n3"):
+        teach_link(cm, src, "n2", 1e9 / 8)
+    for w in ("A", "C"):
+        cm.observe_load(w, WorkerLoad(extra_wait_s=10.0))
+    d = cm.decide(4096, {"A": 4096, "C": 2048})
+    assert d.worker == "B" and d.kind == "pulled"
+    assert covered(d.chosen.pulls) == list(range(255))  # each block exactly once
+    assert {r.holder for r in d.chosen.pulls} == {"A", "C"}
+    for r in d.chosen.pulls:
+        held = {"A": 4096, "C": 2048}[r.holder] // BS
+        assert r.end_block <= held  # only blocks the holder has
+    # parallel: the makespan is below pulling everything from the faster holder alone
+    single = cm.plan_pull("B", 0, 255, {"A": 256})[0]
+    assert d.chosen.pull_s < single
+
+
+def test_pull_only_missing_suffix_and_prefer_deeper_holder_on_same_node():
+    cm = model(("A", "n1"), ("A2", "n1"), ("B", "n2"))
+    teach_link(cm, "n1", "n2", 10e9 / 8)
+    cm.observe_load("A", WorkerLoad(extra_wait_s=5.0))
+    cm.observe_load("A2", WorkerLoad(extra_wait_s=5.0))
+    d = cm.decide(2048, {"A": 2048, "A2": 1024, "B": 512})
+    assert d.worker == "B" and d.kind == "pulled"
+    assert d.chosen.local_tokens == 512 and d.chosen.pulled_tokens == 2032 - 512
+    assert covered(d.chosen.pulls) == list(range(32, 127))
+    assert {r.holder for r in d.chosen.pulls} == {"A"}  # one source per node: the deepest
+
+
+def test_same_node_holder_uses_local_link_prior():
+    cm = model(("A", "n1"), ("B", "n1"))
+    cm.observe_load("A", WorkerLoad(extra_wait_s=5.0))
+    d = cm.decide(2048, {"A": 2048})
+    assert d.worker == "B" and d.kind == "pulled"
+
+
+def test_no_holder_means_least_loaded_recompute():
+    cm = model(("A", "n1"), ("B", "n2"))
+    cm.observe_load("A", WorkerLoad(waiting_tokens=(1000,)))
+    d = cm.decide(100, {})
+    assert d.worker == "B" and d.kind == "recomputed"
+    assert [c.worker for c in d.ranking] == ["B", "A"]
+    assert cm.decide(100, {}, workers=[]) is None
+
+
+def test_short_prompt_never_pulls_its_only_block():
+    cm = model(("A", "n1"), ("B", "n2"))
+    cm.observe_load("A", WorkerLoad(extra_wait_s=5.0))
+    assert cm.decide(16, {"A": 16}).chosen.cached_tokens == 0
+
+
+def test_rank_is_one_best_candidate_per_worker():
+    cm = model(("A", "n1"), ("B", "n2"), ("C", "n3"))
+    r = cm.rank(2048, {"A": 2048})
+    assert sorted(c.worker for c in r) == ["A", "B", "C"]
+    assert [c.expected_ttft_s for c in r] == sorted(c.expected_ttft_s for c in r)
+
+
+# -- estimators --------------------------------------------------------------------------------
+def test_prefill_fit_converges_to_linear_plus_quadratic():
+    a, b, c = 0.01, 0.3, 0.1  # seconds, per 1024 tokens, per 1024**2 attention units
+    truth = lambda n, p: a + b * n / 1024 + c * (n / 1024) * (n / 1024 + 2 * p / 1024)
+    rng = random.Random(0)
+    m = PrefillModel(PrefillPrior(a=0.5, b=2.0, c=0.0))
+    for _ in range(100):
+        n, p = rng.randint(16, 4096), rng.choice([0, 0, 512, 2048])
+        m.observe(n, truth(n, p) * rng.uniform(0.98, 1.02), cached_tokens=p)
+    for n, p in [(64, 0), (1000, 0), (4000, 0), (1000, 2048)]:
+        assert m.predict(n, p) == pytest.approx(truth(n, p), rel=0.05, abs=0.015)
+
+
+def test_prefill_prior_before_data_and_monotone_with_noisy_data():
+    m = PrefillModel(PrefillPrior(a=0.02, b=0.5, c=0.05))
+    assert m.predict(1024) == pytest.approx(0.57)
+    assert m.predict(0) == 0.0
+    rng = random.Random(1)
+    for _ in range(50):  # flat, noisy: an unconstrained fit could bend downwards
+        m.observe(rng.randint(1, 4096), 0.1 + rng.uniform(-0.05, 0.05))
+    assert min(m.coefficients) >= 0
+    preds = [m.predict(n) for n in range(1, 8192, 256)]
+    assert preds == sorted(preds) and preds[0] >= 0
+
+
+def test_prefill_window_forgets_old_behaviour():
+    m = PrefillModel(window=20)
+    for _ in range(40):
+        m.observe(1024, 2.0)
+    for _ in range(20):
+        m.observe(1024, 0.2)
+    assert m.predict(1024) == pytest.approx(0.2, rel=0.1)
+
+
+def test_link_ewma_converges_and_separates_rtt():
+    links = LinkModel(LinkPrior(alpha=0.3))
+    assert links.estimate("x", "y").samples == 0
+    rng = random.Random(2)
+    for _ in range(30):
+        links.observe_transfer("x", "y", 1000, 0.004)  # small: an RTT probe
+        nbytes = rng.randint(8 << 20, 64 << 20)
+        links.observe_transfer("x", "y", nbytes, 0.004 + nbytes / 12.5e6 * rng.uniform(0.95, 1.05))
+    e = links.estimate("x", "y")
+    assert e.rtt_s == pytest.approx(0.004)
+    assert e.bandwidth_Bps == pytest.approx(12.5e6, rel=0.05)
+    assert links.estimate("y", "x").bandwidth_Bps == e.bandwidth_Bps  # reverse borrows
+    assert links.estimate("x", "x").bandwidth_Bps == LinkPrior().local_bandwidth_Bps
+
+
+def test_link_ignores_garbage_samples():
+    links = LinkModel()
+    links.observe_transfer("x", "y", 1 << 20, 0.0)
+    links.observe_transfer("x", "y", 0, 1.0)
+    links.observe_transfer("x", "y", 1 << 20, float("nan"))
+    assert links.estimate("x", "y").samples == 0
+
+
+def test_worker_borrows_pooled_fit_until_it_has_its_own():
+    cm = model(("A", "n1"), ("B", "n2"))
+    for _ in range(10):
+        cm.observe_prefill("A", 1024, 3.0)
+    assert cm.prefill_s("B", 1024) == pytest.approx(3.0, rel=0.1)
+    for _ in range(10):
+        cm.observe_prefill("B", 1024, 1.0)
+    assert cm.prefill_s("B", 1024) == pytest.approx(1.0, rel=0.1)
+
+
+def test_power_of_two_picks_less_loaded():
+    rng = random.Random(0)
+    assert power_of_two([], {}) is None
+    assert power_of_two(["a"], {}) == "a"
+    picks = [power_of_two(["a", "b"], {"a": 5.0, "b": 1.0}, rng) for _ in range(10)]
+    assert set(picks) == {"b"}
+
+
+# -- the actor shell ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_local():
+    import os
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+async def test_router_actor_decides_and_client_falls_back(ray_local):
+    from actors.router import RouterClient, get_or_create_router
+    ray = ray_local
+    h = get_or_create_router(CostConfig(block_size=BS, bytes_per_token=BPT))
+    assert get_or_create_router() is not None  # same name: the existing actor
+    ray.get([h.register.remote("A", "n1"), h.register.remote("B", "n2"),
+             h.report_load.remote("A", WorkerLoad(extra_wait_s=5.0))])
+    for _ in range(5):
+        h.report_transfer.remote("n1", "n2", 32 << 20, (32 << 20) / 1.25e9)
+    client = RouterClient(h, timeout_s=30)
+    d = await client.decide(2048, {"A": 2048})
+    assert d.worker == "B" and d.kind == "pulled"
+    m = ray.get(h.metrics.remote())
+    assert m["decisions"] == {"pulled": 1} and m["bytes_pulled"] == 5 * (32 << 20)
+    # an unanswerable router (timeout) -> None, and choose() falls back to power of two choices
+    slow = RouterClient(h, timeout_s=1e-6)
+    assert await slow.decide(2048, {"A": 2048}) is None
+    assert await slow.choose(2048, {"A": 2048}, ["A", "B"], {"A": 9.0, "B": 0.0}) == "B"
+    gone = RouterClient(None, timeout_s=1.0)
+    gone._handle = None
+    ray.kill(h)
+    await asyncio.sleep(0.5)
+    assert await gone.decide(10, {}) is None
