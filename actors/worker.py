@@ -7,33 +7,120 @@ generator; cancelling the generator (client gone) aborts the request and frees i
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import time
+from dataclasses import dataclass, replace
 
 import ray
 
 from engine.async_engine import AsyncEngine
+from engine.kv_cache import KVBlocks
 from engine.llm_engine import EngineConfig
 from engine.sequence import Request, RequestOutput
 
+log = logging.getLogger(__name__)
+
+
+async def _await(ref):
+    return await ref
+
+
+@dataclass(frozen=True)
+class Pull:
+    """Fetch prompt blocks [start_block, end_block) from ``holder`` (a Worker actor handle)."""
+
+    holder: object
+    holder_node: str
+    start_block: int
+    end_block: int
+
 
 class Worker:
-    def __init__(self, worker_id: str, config: EngineConfig):
+    def __init__(self, worker_id: str, config: EngineConfig, pull_timeout_s: float = 30.0):
         self.worker_id = worker_id
         self.config = config
         self.engine = AsyncEngine(config)
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.pull_timeout_s = pull_timeout_s
+        self.faults: set[str] = set()  # test hook: "export" makes export_prefix fail
+        self.router = None  # RouterClient when a router actor exists (reports measurements)
 
     def ready(self) -> dict:
         e = self.engine.engine
         return {"worker_id": self.worker_id, "model": e.loaded.name, "model_id": e.loaded.model_id,
                 "max_model_len": e.max_model_len, "block_size": e.config.block_size,
-                "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+                "kv_bytes_per_token": e.cache.bytes_per_block(e.cache.num_layers, 1, e.cache.num_kv_heads,
+                                                              e.cache.head_dim, e.cache.dtype),
+                "node_id": self.node_id, "pid": os.getpid()}
 
-    async def generate(self, request: Request):
+    async def generate(self, request: Request, pulls: tuple[Pull, ...] = ()):
+        """Stream outputs. ``pulls`` (from the router) name holders of the prompt's prefix: their
+        KV is fetched first; any failure just leaves those blocks to be recomputed."""
+        local, pulled = await self._pull(request, pulls)
+        first = True
         async for out in self.engine.generate(request):
+            gained = max(0, min(pulled, out.num_cached_tokens - local))
+            route = "pulled" if gained else ("local" if out.num_cached_tokens else "recomputed")
+            out = replace(out, route=route, pulled_tokens=gained)
+            if first and out.prefill_s is not None and self.router is not None:
+                self.router.report("report_prefill", self.worker_id, out.num_prompt_tokens - out.num_cached_tokens,
+                                   out.prefill_s, out.num_cached_tokens)
+            first = False
             yield out
 
-    async def generate_all(self, request: Request) -> list[RequestOutput]:
-        return [out async for out in self.engine.generate(request)]
+    async def generate_all(self, request: Request, pulls: tuple[Pull, ...] = ()) -> list[RequestOutput]:
+        return [out async for out in self.generate(request, pulls)]
+
+    # -- KV pulls (issue 7) ----------------------------------------------------------------
+    async def export_prefix(self, chains: dict, start_block: int, end_block: int) -> KVBlocks | None:
+        """Blocks [start, end) of a prompt whose chain hashes the requester sends (object store)."""
+        if "export" in self.faults:
+            raise RuntimeError("simulated export failure")
+        return await self.engine.call(lambda e: e.export_prefix(chains, start_block, end_block))
+
+    async def _pull(self, request: Request, pulls: tuple[Pull, ...]) -> tuple[int, int]:
+        """(prompt tokens held locally before, tokens imported by pulls)."""
+        if not pulls:
+            return 0, 0
+        chains = await self.engine.call(lambda e: e.prompt_chains(request))
+        if not chains:
+            return 0, 0
+        local = await self.engine.call(lambda e: e.held_prefix_tokens(chains))
+
+        async def one(p: Pull) -> int:
+            t0 = time.perf_counter()
+            ok, nbytes = False, 0
+            try:
+                data = await asyncio.wait_for(_await(p.holder.export_prefix.remote(chains, p.start_block, p.end_block)),
+                                              self.pull_timeout_s)
+                if data is None:
+                    return 0
+                nbytes = data.nbytes
+                seconds = time.perf_counter() - t0
+                n = await self.engine.call(lambda e: e.import_prefix(data, p.start_block, chains, request.tenant))
+                ok = True
+                return n
+            except Exception as e:  # noqa: BLE001 - any failure: recompute those blocks
+                log.warning("pull of blocks %d-%d from %s failed: %r", p.start_block, p.end_block, p.holder_node, e)
+                return 0
+            finally:
+                if self.router is not None:
+                    self.router.report("report_transfer", p.holder_node, self.node_id, nbytes,
+                                       seconds if ok else time.perf_counter() - t0, ok)
+
+        imported = await asyncio.gather(*(one(p) for p in pulls))
+        return local, sum(imported)
+
+    def set_faults(self, faults: list[str]) -> None:
+        self.faults = set(faults)
+
+    def attach_router(self, handle=None) -> bool:
+        """Report prefills and transfers to the router actor (fire and forget)."""
+        from actors.router import RouterClient
+
+        self.router = RouterClient(handle)
+        return True
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

@@ -131,8 +131,8 @@ class _Ctx:
         self.created = int(time.time())
 
     def _served(self, out) -> Served:
-        return Served(worker=self.worker, route=self.route, exact_cached_tokens=out.num_cached_tokens,
-                      reuse=self.request.reuse)
+        return Served(worker=self.worker, route=out.route or self.route, exact_cached_tokens=out.num_cached_tokens,
+                      pulled_tokens=out.pulled_tokens, reuse=self.request.reuse)
 
     def _done(self, out, code: int) -> None:
         m = self.ing.metrics

@@ -64,7 +64,9 @@ class WorkerState:
 @dataclass(frozen=True)
 class RouteChoice:
     worker_id: str
-    route: str = "local"  # local | pulled | recomputed (contract: usage.kvmesh.route)
+    route: str = "local"  # planned: local | pulled | recomputed (the worker reports what happened)
+    pulls: tuple = ()  # actors.worker.Pull instructions for the chosen worker
+    expected_ttft_s: float | None = None
 
 
 class Router(Protocol):
@@ -87,6 +89,9 @@ class PoolConfig:
     worker_num_cpus: float = 1.0
     worker_num_gpus: float | None = None  # None: 1 when the cluster has GPUs, else 0
     ready_timeout_s: float = 600.0
+    # Route by the global index + router actor's TTFT model (pull / local / recompute). Off:
+    # least-loaded routing and no index/router actors.
+    cost_aware_routing: bool = True
 
 
 @dataclass
@@ -119,12 +124,17 @@ class WorkerPool:
         self._tasks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
         self._actor_cls = None
+        self._index = self._router_actor = self._router_client = None
         self.error: str | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, autoscale: bool = True) -> None:
         gpus = self.config.worker_num_gpus
         self._actor_cls = worker_actor_class(num_gpus=gpus, num_cpus=self.config.worker_num_cpus)
+        if self.config.cost_aware_routing:
+            from actors.index_actor import get_or_create_index
+
+            self._index = await asyncio.to_thread(get_or_create_index, self.config.engine.block_size)
         decision = self.autoscaler.decide(0, {}, time.monotonic())
         await self._apply(ScaleDecision(max(1, decision.target), decision.allocation))
         if autoscale:
@@ -166,6 +176,8 @@ class WorkerPool:
     async def _await_ready(self, ws: WorkerState) -> None:
         try:
             ws.info = await asyncio.wait_for(_aref(ws.actor.ready.remote()), self.config.ready_timeout_s)
+            if self.config.cost_aware_routing:
+                await self._join_cluster_routing(ws)
             self._ready.set()
             log.info("worker %s ready: %s", ws.worker_id, ws.info)
         except Exception as e:  # noqa: BLE001 - any failure: the worker is unusable
@@ -173,12 +185,32 @@ class WorkerPool:
             log.error(self.error)
             self._mark_dead(ws)
 
+    async def _join_cluster_routing(self, ws: WorkerState) -> None:
+        """Publish the worker's blocks to the index, let it report measurements to the router,
+        and switch the pool to cost-aware routing once the model id is known."""
+        from actors.router import RouterClient, get_or_create_router
+        from cluster.routing import CostAwareRouter
+        from policies.routing import CostConfig
+
+        if self._router_actor is None:  # the first ready worker tells the KV size per token
+            cost = CostConfig(block_size=ws.info["block_size"], bytes_per_token=ws.info["kv_bytes_per_token"])
+            self._router_actor = await asyncio.to_thread(get_or_create_router, cost)
+            self._router_client = RouterClient(self._router_actor)
+        await _aref(ws.actor.start_index_publisher.remote())
+        await _aref(ws.actor.attach_router.remote(self._router_actor))
+        self._router_client.report("register", ws.worker_id, ws.info["node_id"])
+        if not isinstance(self.router, CostAwareRouter):
+            self.router = CostAwareRouter(ws.info["model_id"], ws.info["block_size"], self._index,
+                                          self._router_client, self.workers.get)
+
     def _mark_dead(self, ws: WorkerState) -> None:
         ws.dead = True
         self._kill(ws)
 
     def _kill(self, ws: WorkerState) -> None:
         self.workers.pop(ws.worker_id, None)
+        if self.config.cost_aware_routing and self._router_client is not None:
+            self._router_client.report("remove", ws.worker_id)
         try:
             ray.kill(ws.actor)
         except Exception:  # noqa: BLE001 - already gone
@@ -285,7 +317,7 @@ class WorkerPool:
             ws.inflight += 1
             ws.inflight_tokens += flight.cost
             finished = False
-            gen = ws.actor.generate.remote(request)
+            gen = ws.actor.generate.remote(request, choice.pulls)
             try:
                 async for ref in gen:
                     try:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_pool import BlockPool
-from engine.kv_cache import PagedKVCache
+from engine.block_pool import BlockHash, BlockPool, hash_blocks
+from engine.kv_cache import KVBlocks, PagedKVCache
 from engine.kv_manager import KVManager
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, build_batch
@@ -77,7 +77,6 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.tenant_metrics: dict[str, TenantMetrics] = {}
         self.num_steps = 0
-        self.prefill_log: list[tuple[int, float]] = []  # (tokens computed, seconds) per step
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -144,8 +143,12 @@ class LLMEngine:
         batch = build_batch(chunks, self.config.block_size, self.config.device)
         t0 = time.perf_counter()
         logits = self.runner.forward(batch)
-        self.prefill_log.append((sum(n for _, n in scheduled), time.perf_counter() - t0))
+        dt = time.perf_counter() - t0
+        total = sum(n for _, n in scheduled)
         self.num_steps += 1
+        for seq, n in scheduled:
+            if seq.first_token_at is None:
+                seq.prefill_s += dt * n / total
         sampled_seqs = []
         for (seq, n), (_, _, want, _) in zip(scheduled, chunks):
             seq.num_computed += n
@@ -212,7 +215,71 @@ class LLMEngine:
     def _output(self, seq: Sequence, new_ids: list[int], delta: str) -> RequestOutput:
         ttft = seq.first_token_at - seq.arrival if seq.first_token_at else None
         return RequestOutput(seq.request_id, new_ids, delta, seq.finished, seq.finish_reason,
-                             seq.num_prompt, seq.num_cached, seq.num_output, ttft)
+                             seq.num_prompt, seq.num_cached, seq.num_output, ttft,
+                             seq.prefill_s if seq.first_token_at else None)
+
+    # -- moving KV between engines (pulls) ---------------------------------------------------
+    def prompt_chains(self, request: Request) -> dict[str, list[BlockHash]]:
+        """Chain hashes of the request's reusable prompt blocks under each domain it may read
+        (own domain first). Empty when the request does not reuse KV."""
+        if request.reuse == "none" or not self.config.enable_prefix_caching:
+            return {}
+        bs = self.config.block_size
+        head = list(request.prompt_ids[: (len(request.prompt_ids) - 1) // bs * bs])
+        domains = dict.fromkeys((request.domain, *request.read_domains))
+        return {d: hash_blocks(head, bs, self.kv.extra_key(d)) for d in domains}
+
+    def held_prefix_tokens(self, chains: dict[str, list[BlockHash]]) -> int:
+        """Leading prompt tokens this engine holds under any of ``chains``."""
+        return len(self._held_blocks(chains, 0, _chain_len(chains))) * self.config.block_size
+
+    def _held_blocks(self, chains, start: int, end: int):
+        out = []
+        for i in range(start, end):
+            block = next((b for c in chains.values() if (b := self.pool.get_cached_block(c[i])) is not None), None)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def export_prefix(self, chains: dict[str, list[BlockHash]], start: int, end: int) -> KVBlocks | None:
+        """KV of prompt blocks [start, end) held here under any of ``chains`` (up to the first
+        miss), or None. Only hashes the requester computed from its own tokens can match."""
+        end = min(end, _chain_len(chains))
+        blocks = self._held_blocks(chains, start, end)
+        if not blocks:
+            return None
+        bs = self.config.block_size
+        return self.cache.export_blocks([b.block_id for b in blocks], [(start + i) * bs for i in range(len(blocks))],
+                                        self.loaded.model_id, [b.block_hash for b in blocks])
+
+    def import_prefix(self, data: KVBlocks, start: int, chains: dict[str, list[BlockHash]], tenant: str) -> int:
+        """Verify pulled blocks against ``chains`` and register them in the prefix cache (evictable,
+        charged to ``tenant``). Returns tokens imported; raises ValueError on a mismatch."""
+        bs = self.config.block_size
+        if data.model_id != self.loaded.model_id:
+            raise ValueError(f"pulled KV is for model {data.model_id!r}, not {self.loaded.model_id!r}")
+        if data.positions != tuple((start + i) * bs for i in range(data.num_blocks)):
+            raise ValueError("pulled KV blocks are not at the requested positions")
+        placed: list[tuple[int, BlockHash, BlockHash | None, str]] = []
+        for i, h in enumerate(data.hashes):
+            pos = start + i
+            domain = next((d for d, c in chains.items() if pos < len(c) and c[pos] == h), None)
+            if domain is None or len(data.hashes) != data.num_blocks:
+                raise ValueError(f"pulled block {pos} does not match the prompt's hash chain")
+            if self.pool.get_cached_block(h) is None:
+                placed.append((i, h, chains[domain][pos - 1] if pos else None, domain))
+        if not placed or not self.pool.can_allocate(len(placed)):
+            return 0
+        blocks = self.pool.allocate(len(placed), tenant)
+        idx = [i for i, *_ in placed]
+        self.cache.import_blocks([b.block_id for b in blocks],
+                                 KVBlocks(data.k[:, idx], data.v[:, idx], tuple(data.positions[i] for i in idx),
+                                          data.model_id, tuple(data.hashes[i] for i in idx)))
+        for block, (_, h, parent, domain) in zip(blocks, placed):
+            self.pool.cache_full_block(block, h, parent, tenant, domain)
+        self.pool.free(blocks)
+        return len(placed) * bs
 
     # -- conveniences ----------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> dict[str, list[RequestOutput]]:
@@ -241,3 +308,7 @@ class LLMEngine:
                 for t, m in self.tenant_metrics.items()
             },
         }
+
+
+def _chain_len(chains: dict[str, list[BlockHash]]) -> int:
+    return min((len(c) for c in chains.values()), default=0)

@@ -103,6 +103,7 @@ class Sequence:
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    prefill_s: float = 0.0  # forward time attributed to this prompt's chunks (by token share)
     generator: torch.Generator | None = None
     text: str = ""  # generated text so far (after stop-string truncation on finish)
     emitted_chars: int = 0
@@ -147,3 +148,6 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     ttft_s: float | None = None
+    prefill_s: float | None = None  # forward time spent on this prompt (excludes queueing)
+    route: str | None = None  # local | pulled | recomputed, set by the worker on every output
+    pulled_tokens: int = 0  # prompt tokens whose KV was pulled from another worker

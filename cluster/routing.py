@@ -1,0 +1,63 @@
+"""The cost-aware router of the worker pool: index lookup + the router actor's TTFT ranking.
+
+Per request: hash the prompt's blocks under every domain the tenant may read, ask the index
+actor which worker holds how much of it, publish the candidates' loads and ask the router actor
+for the option with the least expected TTFT (local holder, pull to a less-loaded worker, or
+recompute). Both calls are async with short timeouts; if either is unavailable the request
+still routes (no holdings: by load; no router: least-loaded). The decision travels with the
+request as ``Pull`` instructions, so the chosen worker knows what to fetch and from whom.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+from actors.index_actor import lookup_with_timeout
+from actors.prefix_index import prompt_chains
+from actors.router import RouterClient
+from actors.worker import Pull
+from cluster.pool import LeastLoadedRouter, RouteChoice, WorkerState
+from engine.sequence import Request
+from policies.routing import WorkerLoad
+
+log = logging.getLogger(__name__)
+
+
+class CostAwareRouter:
+    def __init__(self, model_id: str, block_size: int, index=None, client: RouterClient | None = None,
+                 worker_lookup: Callable[[str], WorkerState | None] | None = None, timeout_s: float = 0.05):
+        self.model_id = model_id
+        self.block_size = block_size
+        self.index = index
+        self.client = client or RouterClient(timeout_s=timeout_s)
+        self.worker_lookup = worker_lookup or (lambda _wid: None)
+        self.timeout_s = timeout_s
+        self.fallback = LeastLoadedRouter()
+        self._published: dict[str, WorkerLoad] = {}
+
+    async def choose(self, request: Request, candidates: Sequence[WorkerState]) -> RouteChoice:
+        holdings: dict[str, int] = {}
+        if request.reuse != "none":
+            chains = prompt_chains(request.prompt_ids, self.block_size, self.model_id,
+                                   (request.domain, *request.read_domains))
+            holdings = await lookup_with_timeout(self.index, chains, self.timeout_s) or {}
+        self._publish_loads(candidates)
+        decision = await self.client.decide(len(request.prompt_ids), holdings, [w.worker_id for w in candidates])
+        if decision is None:
+            return await self.fallback.choose(request, candidates)
+        chosen = decision.chosen
+        pulls = []
+        for r in chosen.pulls:
+            holder = self.worker_lookup(r.holder)
+            if holder is None or holder.dead:
+                continue  # gone since the index saw it: those blocks are recomputed
+            pulls.append(Pull(holder.actor, r.node, r.start_block, r.end_block))
+        return RouteChoice(chosen.worker, chosen.kind, tuple(pulls), chosen.expected_ttft_s)
+
+    def _publish_loads(self, candidates: Sequence[WorkerState]) -> None:
+        for w in candidates:
+            load = WorkerLoad(waiting_tokens=(w.inflight_tokens,) if w.inflight_tokens else (), running=0)
+            if self._published.get(w.worker_id) != load:
+                self._published[w.worker_id] = load
+                self.client.report("report_load", w.worker_id, load)

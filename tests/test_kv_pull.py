@@ -1,0 +1,141 @@
+"""KV pulls: export/import between engines, and a routed pull across two Ray nodes on loopback."""
+
+import asyncio
+import os
+import time
+
+import pytest
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from engine.sequence import Request, SamplingParams  # noqa: E402
+
+CFG = EngineConfig(model="tiny-llama", num_blocks=64, max_num_batched_tokens=256)
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PREFIX = tuple((7 * i) % 250 + 3 for i in range(70))
+
+
+def ids(outs):
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def reference(loaded, prompt):
+    eng = LLMEngine(CFG, loaded=loaded)
+    return ids(eng.generate([Request("ref", prompt, GREEDY, reuse="none")])["ref"])
+
+
+def test_export_import_between_engines_reuses_exactly(tiny_model):
+    a, b = LLMEngine(CFG, loaded=tiny_model), LLMEngine(CFG, loaded=tiny_model)
+    a.generate([Request("warm", PREFIX + (9, 9, 9), GREEDY, tenant="t1")])
+    prompt = PREFIX + (5, 6, 7, 8)
+    req = Request("r", prompt, GREEDY, tenant="t1")
+    chains = b.prompt_chains(req)
+    assert b.held_prefix_tokens(chains) == 0 and a.held_prefix_tokens(chains) == 64
+    data = a.export_prefix(chains, 0, 4)
+    assert data.num_blocks == 4 and data.positions == (0, 16, 32, 48)
+    assert b.import_prefix(data, 0, chains, "t1") == 64
+    assert b.import_prefix(data, 0, chains, "t1") == 0  # already cached: nothing new
+    out = b.generate([req])["r"]
+    assert out[-1].num_cached_tokens == 64
+    assert ids(out) == reference(tiny_model, prompt)
+    b.pool.check_invariants()
+
+
+def test_import_verifies_hashes_model_and_isolation(tiny_model):
+    a, b = LLMEngine(CFG, loaded=tiny_model), LLMEngine(CFG, loaded=tiny_model)
+    a.generate([Request("warm", PREFIX + (9,), GREEDY, tenant="t1")])
+    req = Request("r", PREFIX + (1, 2), GREEDY, tenant="t1")
+    chains = b.prompt_chains(req)
+    data = a.export_prefix(chains, 0, 4)
+    other = b.prompt_chains(Request("o", tuple(reversed(PREFIX)) + (1, 2), GREEDY, tenant="t1"))
+    free = b.pool.num_free_blocks()
+    with pytest.raises(ValueError, match="hash chain"):
+        b.import_prefix(data, 0, other, "t1")  # KV of other tokens
+    with pytest.raises(ValueError, match="positions"):
+        b.import_prefix(data, 1, chains, "t1")  # shifted
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="model"):
+        b.import_prefix(replace(data, model_id="another-model"), 0, chains, "t1")
+    assert b.pool.num_free_blocks() == free and not b.pool._cached
+    # another tenant's chains (no grant) cannot name tenant t1's blocks
+    assert a.export_prefix(b.prompt_chains(Request("x", req.prompt_ids, GREEDY, tenant="t2")), 0, 4) is None
+    # with a grant (t2 reads t1's domain) they can
+    granted = b.prompt_chains(Request("y", req.prompt_ids, GREEDY, tenant="t2", read_domains=("t1",)))
+    assert a.export_prefix(granted, 0, 4).num_blocks == 4
+
+
+@pytest.mark.ray
+def test_router_pulls_to_idle_node_and_falls_back_on_failure(tiny_model):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from actors.index_actor import get_or_create_index, lookup_with_timeout
+    from actors.prefix_index import prompt_chains
+    from actors.router import RouterClient, get_or_create_router
+    from actors.worker import worker_actor_class
+    from cluster.pool import WorkerState
+    from cluster.routing import CostAwareRouter
+    from policies.routing import CostConfig
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        c.add_node(num_cpus=1, resources={"node_a": 1})
+        c.add_node(num_cpus=1, resources={"node_b": 1})
+        c.wait_for_nodes()
+        ray.init(address=c.address, namespace="kvmesh-pull-test", log_to_driver=False)
+        index = get_or_create_index(16, liveness_s=0.5)
+        W = worker_actor_class(num_gpus=0, num_cpus=1)
+        wa = W.options(resources={"node_a": 1}).remote("wa", CFG)
+        wb = W.options(resources={"node_b": 1}).remote("wb", CFG)
+        ia, ib = ray.get([wa.ready.remote(), wb.ready.remote()], timeout=120)
+        assert ia["node_id"] != ib["node_id"]
+        router_actor = get_or_create_router(CostConfig(block_size=16, bytes_per_token=ia["kv_bytes_per_token"]))
+        ray.get([w.start_index_publisher.remote(0.05, 0.2) for w in (wa, wb)], timeout=60)
+        ray.get([w.attach_router.remote(router_actor) for w in (wa, wb)])
+        ray.get([router_actor.register.remote("wa", ia["node_id"]), router_actor.register.remote("wb", ib["node_id"])])
+
+        states = {"wa": WorkerState("wa", wa, ia, inflight=1, inflight_tokens=10**6),  # A artificially loaded
+                  "wb": WorkerState("wb", wb, ib)}
+        router = CostAwareRouter(ia["model_id"], 16, index, RouterClient(router_actor, timeout_s=10.0),
+                                 states.get, timeout_s=10.0)
+
+        def warm_and_wait(prefix):
+            ray.get(wa.generate_all.remote(Request(f"warm{prefix[0]}", prefix + (9, 9), GREEDY, tenant="t1")))
+            chains = prompt_chains(prefix + (1,), 16, ia["model_id"], ["t1"])
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if asyncio.run(lookup_with_timeout(index, chains, 10.0)) == {"wa": 64}:
+                    return
+                time.sleep(0.1)
+            raise AssertionError("the index never saw worker A's blocks")
+
+        # 1. prefix cached on A, A loaded: routed to B, which pulls A's blocks
+        warm_and_wait(PREFIX)
+        prompt = PREFIX + (5, 6, 7, 8)
+        req = Request("p1", prompt, GREEDY, tenant="t1")
+        choice = asyncio.run(router.choose(req, list(states.values())))
+        assert choice.worker_id == "wb" and choice.route == "pulled" and choice.pulls
+        outs = ray.get(wb.generate_all.remote(req, choice.pulls), timeout=60)
+        assert outs[-1].route == "pulled" and outs[-1].pulled_tokens == 64
+        assert ids(outs) == reference(tiny_model, prompt)
+
+        # 2. the holder fails to export: B recomputes, same output
+        prefix2 = tuple((11 * i) % 250 + 3 for i in range(70))
+        warm_and_wait(prefix2)
+        ray.get(wa.set_faults.remote(["export"]))
+        prompt2 = prefix2 + (4, 4)
+        req2 = Request("p2", prompt2, GREEDY, tenant="t1")
+        choice2 = asyncio.run(router.choose(req2, list(states.values())))
+        assert choice2.worker_id == "wb" and choice2.pulls
+        outs2 = ray.get(wb.generate_all.remote(req2, choice2.pulls), timeout=60)
+        assert outs2[-1].route == "recomputed" and outs2[-1].pulled_tokens == 0
+        assert ids(outs2) == reference(tiny_model, prompt2)
+
+        metrics = ray.get(router_actor.metrics.remote())
+        assert metrics["bytes_pulled"] > 0 and metrics["pull_failures"] >= 1
+        assert metrics["decisions"].get("pulled", 0) >= 2
+    finally:
+        ray.shutdown()
+        c.shutdown()
