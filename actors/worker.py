@@ -112,6 +112,10 @@ class Worker:
         imported = await asyncio.gather(*(one(p) for p in pulls))
         return local, sum(imported)
 
+    async def prefetch(self, request: Request, pulls: tuple[Pull, ...]) -> int:
+        """Import a prompt's prefix from holders without running the request (replication)."""
+        return (await self._pull(request, pulls))[1]
+
     def set_faults(self, faults: list[str]) -> None:
         self.faults = set(faults)
 

@@ -11,6 +11,7 @@ request as ``Pull`` instructions, so the chosen worker knows what to fetch and f
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Sequence
 
 from actors.index_actor import lookup_with_timeout
@@ -19,6 +20,7 @@ from actors.router import RouterClient
 from actors.worker import Pull
 from cluster.pool import LeastLoadedRouter, RouteChoice, WorkerState
 from engine.sequence import Request
+from policies.replication import ReplicationConfig, ReplicationPolicy
 from policies.routing import WorkerLoad
 
 log = logging.getLogger(__name__)
@@ -26,7 +28,8 @@ log = logging.getLogger(__name__)
 
 class CostAwareRouter:
     def __init__(self, model_id: str, block_size: int, index=None, client: RouterClient | None = None,
-                 worker_lookup: Callable[[str], WorkerState | None] | None = None, timeout_s: float = 0.05):
+                 worker_lookup: Callable[[str], WorkerState | None] | None = None, timeout_s: float = 0.05,
+                 replication: ReplicationConfig | None = None):
         self.model_id = model_id
         self.block_size = block_size
         self.index = index
@@ -35,9 +38,11 @@ class CostAwareRouter:
         self.timeout_s = timeout_s
         self.fallback = LeastLoadedRouter()
         self._published: dict[str, WorkerLoad] = {}
+        self.replication = ReplicationPolicy(replication)
 
     async def choose(self, request: Request, candidates: Sequence[WorkerState]) -> RouteChoice:
         holdings: dict[str, int] = {}
+        chains: dict[str, list[bytes]] = {}
         if request.reuse != "none":
             chains = prompt_chains(request.prompt_ids, self.block_size, self.model_id,
                                    (request.domain, *request.read_domains))
@@ -53,7 +58,24 @@ class CostAwareRouter:
             if holder is None or holder.dead:
                 continue  # gone since the index saw it: those blocks are recomputed
             pulls.append(Pull(holder.actor, r.node, r.start_block, r.end_block))
+        if pulls:
+            self._replicate(request, chains, pulls, chosen.worker, holdings, candidates)
         return RouteChoice(chosen.worker, chosen.kind, tuple(pulls), chosen.expected_ttft_s)
+
+    def _replicate(self, request: Request, chains, pulls: list[Pull], target: str, holdings, candidates) -> None:
+        """Count the pull; if the prefix is hot, copy it ahead of demand (fire and forget)."""
+        now = time.monotonic()
+        key = chains[request.domain][pulls[-1].end_block - 1]
+        self.replication.record_pull(key, now)
+        holders = {w for w, n in holdings.items() if n >= pulls[-1].end_block * self.block_size} | {target}
+        for wid in self.replication.targets(key, [w.worker_id for w in candidates], holders, now):
+            ws = self.worker_lookup(wid)
+            if ws is None or ws.dead:
+                continue
+            first = pulls[0]
+            copy = (Pull(first.holder, first.holder_node, 0, first.end_block), *pulls[1:])
+            log.info("replicating a hot prefix (%d blocks) to %s", pulls[-1].end_block, wid)
+            ws.actor.prefetch.remote(request, copy)
 
     def _publish_loads(self, candidates: Sequence[WorkerState]) -> None:
         for w in candidates:

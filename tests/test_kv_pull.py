@@ -77,9 +77,10 @@ def test_router_pulls_to_idle_node_and_falls_back_on_failure(tiny_model):
     from actors.worker import worker_actor_class
     from cluster.pool import WorkerState
     from cluster.routing import CostAwareRouter
+    from policies.replication import ReplicationConfig
     from policies.routing import CostConfig
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_c": 1}})
     try:
         c.add_node(num_cpus=1, resources={"node_a": 1})
         c.add_node(num_cpus=1, resources={"node_b": 1})
@@ -90,26 +91,32 @@ def test_router_pulls_to_idle_node_and_falls_back_on_failure(tiny_model):
         wa = W.options(resources={"node_a": 1}).remote("wa", CFG)
         wb = W.options(resources={"node_b": 1}).remote("wb", CFG)
         ia, ib = ray.get([wa.ready.remote(), wb.ready.remote()], timeout=120)
-        assert ia["node_id"] != ib["node_id"]
+        wc = W.options(resources={"node_c": 1}).remote("wc", CFG)
+        ic = ray.get(wc.ready.remote(), timeout=120)
+        assert len({ia["node_id"], ib["node_id"], ic["node_id"]}) == 3
         router_actor = get_or_create_router(CostConfig(block_size=16, bytes_per_token=ia["kv_bytes_per_token"]))
-        ray.get([w.start_index_publisher.remote(0.05, 0.2) for w in (wa, wb)], timeout=60)
+        ray.get([w.start_index_publisher.remote(0.05, 0.2) for w in (wa, wb, wc)], timeout=60)
         ray.get([w.attach_router.remote(router_actor) for w in (wa, wb)])
         ray.get([router_actor.register.remote("wa", ia["node_id"]), router_actor.register.remote("wb", ib["node_id"])])
 
         states = {"wa": WorkerState("wa", wa, ia, inflight=1, inflight_tokens=10**6),  # A artificially loaded
-                  "wb": WorkerState("wb", wb, ib)}
+                  "wb": WorkerState("wb", wb, ib),
+                  "wc": WorkerState("wc", wc, ic, inflight=1, inflight_tokens=10**5)}  # C busy, less than A
         router = CostAwareRouter(ia["model_id"], 16, index, RouterClient(router_actor, timeout_s=10.0),
-                                 states.get, timeout_s=10.0)
+                                 states.get, timeout_s=10.0, replication=ReplicationConfig(threshold=1))
 
-        def warm_and_wait(prefix):
-            ray.get(wa.generate_all.remote(Request(f"warm{prefix[0]}", prefix + (9, 9), GREEDY, tenant="t1")))
+        def wait_for(prefix, holdings):
             chains = prompt_chains(prefix + (1,), 16, ia["model_id"], ["t1"])
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                if asyncio.run(lookup_with_timeout(index, chains, 10.0)) == {"wa": 64}:
+                if asyncio.run(lookup_with_timeout(index, chains, 10.0)) == holdings:
                     return
                 time.sleep(0.1)
-            raise AssertionError("the index never saw worker A's blocks")
+            raise AssertionError(f"the index never showed {holdings}")
+
+        def warm_and_wait(prefix):
+            ray.get(wa.generate_all.remote(Request(f"warm{prefix[0]}", prefix + (9, 9), GREEDY, tenant="t1")))
+            wait_for(prefix, {"wa": 64})
 
         # 1. prefix cached on A, A loaded: routed to B, which pulls A's blocks
         warm_and_wait(PREFIX)
@@ -120,6 +127,9 @@ def test_router_pulls_to_idle_node_and_falls_back_on_failure(tiny_model):
         outs = ray.get(wb.generate_all.remote(req, choice.pulls), timeout=60)
         assert outs[-1].route == "pulled" and outs[-1].pulled_tokens == 64
         assert ids(outs) == reference(tiny_model, prompt)
+        # the pull made the prefix hot (threshold 1): it was replicated ahead of demand to C
+        wait_for(PREFIX, {"wa": 64, "wb": 64, "wc": 64})
+        assert router.replication.replications == 1
 
         # 2. the holder fails to export: B recomputes, same output
         prefix2 = tuple((11 * i) % 250 + 3 for i in range(70))
