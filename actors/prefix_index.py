@@ -24,28 +24,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
-from engine.block_pool import BlockHash, hash_blocks
+from engine.block_pool import BlockHash, prompt_chains  # noqa: F401 - re-exported for callers
 
 WorkerId = str
 Domain = str
 STORED, REMOVED = 0, 1  # event kinds on the wire
-
-
-def extra_key(model_id: str, domain: Domain) -> bytes:
-    """The block-hash extra key of ``engine.kv_manager.KVManager.extra_key`` (model + domain)."""
-    return f"{model_id}\x00{domain}".encode()
-
-
-def prompt_chains(tokens: Sequence[int], block_size: int, model_id: str, domains: Iterable[Domain],
-                  num_blocks: int | None = None) -> dict[Domain, list[BlockHash]]:
-    """Chain hashes of a prompt under each readable domain (own domain first, then grants).
-
-    By default ``(len - 1) // block_size`` blocks, as many as the engine can reuse (it always
-    computes at least one token).
-    """
-    n = (len(tokens) - 1) // block_size if num_blocks is None else num_blocks
-    head = list(tokens[: n * block_size])
-    return {d: hash_blocks(head, block_size, extra_key(model_id, d)) for d in dict.fromkeys(domains)}
 
 
 class _Node:

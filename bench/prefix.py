@@ -124,7 +124,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.plot(x, [r["marginal_ideal_ratio"] for r in rows], "^:", label="marginal: (none - prefix only) / none")
     ax.set_xlabel("shared prefix (% of prompt)")
     ax.set_ylabel("TTFT relative to no reuse")
-    ax.set_ylim(0, 1.15)
+    ax.set_ylim(0, max(1.15, *(r["ratio"] + 0.05 for r in rows)))
     ax.set_title(f"Prefix reuse, {rows[0]['length']}-token prompts, default model (wall clock)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -131,14 +131,17 @@ class _Ctx:
         self.created = int(time.time())
 
     def _served(self, out) -> Served:
-        return Served(worker=self.worker, route=out.route or self.route, exact_cached_tokens=out.num_cached_tokens,
+        approx = getattr(out, "num_approx_tokens", 0)
+        return Served(worker=self.worker, route=out.route or self.route,
+                      exact_cached_tokens=out.num_cached_tokens - approx, approx_cached_tokens=approx,
                       pulled_tokens=out.pulled_tokens, reuse=self.request.reuse)
 
     def _done(self, out, code: int) -> None:
         m = self.ing.metrics
         m.requests.labels(tenant=self.tenant, endpoint=self.endpoint, code=str(code)).inc()
         if out is not None:
-            m.observe_finished(self.tenant, out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
+            m.observe_finished(self.tenant, out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens,
+                               out.route, out.pulled_tokens)
 
     async def _outputs(self):
         yield self.first
@@ -216,6 +219,7 @@ class KvmeshIngress:
         self.admission = Admission(self.tenants)
         self.model_name, self.tokenizer = load_tokenizer(s.model)
         self.metrics = Metrics(self.tenants.names())
+        self.templates: dict[tuple[str, str], str] = {}  # (tenant, id) -> text, POST /v1/templates
         import ray
 
         gpus = s.worker_num_gpus
@@ -255,7 +259,8 @@ class KvmeshIngress:
             states["draining" if w.draining else "ready" if w.info else "starting"] += 1
             if w.tenant and not w.draining:
                 assigned[w.tenant] = assigned.get(w.tenant, 0) + 1
-        text = self.metrics.render(self.pool.queue_depth(), dict(self.admission.inflight), states, assigned)
+        text = self.metrics.render(self.pool.queue_depth(), dict(self.admission.inflight), states, assigned,
+                                   await self.pool.router_metrics())
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -271,6 +276,31 @@ class KvmeshIngress:
         d = self.pool.last_decision
         return {"workers": await self.pool.stats(),
                 "target": d.target if d else None, "allocation": dict(d.allocation) if d else {}}
+
+    @app.post("/v1/templates")
+    async def register_template(self, req: HttpRequest):
+        """Register ``{"id": ..., "template": "text with {param}"}`` for the caller's tenant
+        (this ingress replica; the text travels with each request, so workers need no copy)."""
+        from policies.remap import Template
+
+        tenant = self._auth(req)
+        try:
+            import json
+
+            body = json.loads(await req.body())
+        except ValueError:
+            raise ApiError(400, "the body must be JSON") from None
+        tid, text = (body.get("id"), body.get("template")) if isinstance(body, dict) else (None, None)
+        if not (isinstance(tid, str) and tid and isinstance(text, str) and text):
+            raise ApiError(400, 'expected {"id": "<template id>", "template": "text with {param} spans"}')
+        self.templates[(tenant.name, tid)] = text
+        return {"object": "template", "id": tid, "tenant": tenant.name, "params": list(Template.parse(tid, text).params)}
+
+    def _template(self, tenant: TenantConfig, tid: str) -> str:
+        text = self.templates.get((tenant.name, tid)) or dict(tenant.templates).get(tid)
+        if text is None:
+            raise ApiError(400, f"unknown template {tid!r} for tenant {tenant.name!r}", param="kvmesh.template")
+        return text
 
     # -- completions ---------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -326,9 +356,15 @@ class KvmeshIngress:
             raise ApiError(400, str(e)) from None
         reuse = (body.kvmesh.reuse if body.kvmesh and body.kvmesh.reuse else None) or tenant.reuse
         prefix = "chatcmpl" if chat else "cmpl"
+        tid = body.kvmesh.template if body.kvmesh else None
+        approx = {}
+        if tid is not None:
+            approx = {"template": tid, "template_text": self._template(tenant, tid),
+                      "template_params": dict(body.kvmesh.params or {})}
         return Request(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_ids=tuple(ids), params=params,
                        tenant=tenant.name, share_domain=self.tenants.share_domain(tenant.name), reuse=reuse,
-                       read_domains=self.tenants.read_domains(tenant.name))
+                       read_domains=self.tenants.read_domains(tenant.name), remap_policy=tenant.remap_policy,
+                       recompute_ratio=tenant.recompute_ratio, **approx)
 
     async def _serve(self, req: HttpRequest, chat: bool):
         endpoint = "chat" if chat else "completions"

@@ -25,18 +25,40 @@ class Metrics:
         self.workers = Gauge("kvmesh_workers", "Worker actors by state", ["state"], registry=r)
         self.workers_assigned = Gauge("kvmesh_workers_assigned", "Workers assigned to a tenant by the autoscaler",
                                       ["tenant"], registry=r)
+        self.routes = Counter("kvmesh_routes", "Finished requests by how their prompt KV was obtained",
+                              ["tenant", "route"], registry=r)
+        self.pulled_tokens = Counter("kvmesh_pulled_tokens", "Prompt tokens whose KV was pulled from another worker",
+                                     ["tenant"], registry=r)
+        self.router_decisions = Gauge("kvmesh_router_decisions", "Router decisions by kind (router actor)",
+                                      ["kind"], registry=r)
+        self.router_bytes = Gauge("kvmesh_router_bytes_pulled", "KV bytes pulled between workers", registry=r)
+        self.router_failures = Gauge("kvmesh_router_pull_failures", "Failed pulls (recomputed)", registry=r)
+        self.router_error = Gauge("kvmesh_router_ttft_error_seconds",
+                                  "Mean |predicted - measured| TTFT by route kind", ["kind"], registry=r)
         for t in tenants:  # every tenant has series from the first scrape
             for m in (self.prompt_tokens, self.cached_tokens, self.completion_tokens, self.queue_depth, self.inflight):
                 m.labels(tenant=t)
 
-    def observe_finished(self, tenant: str, prompt: int, cached: int, completion: int) -> None:
+    def observe_finished(self, tenant: str, prompt: int, cached: int, completion: int,
+                         route: str | None = None, pulled: int = 0) -> None:
+        if route:
+            self.routes.labels(tenant=tenant, route=route).inc()
+        self.pulled_tokens.labels(tenant=tenant).inc(pulled)
         self.prompt_tokens.labels(tenant=tenant).inc(prompt)
         self.cached_tokens.labels(tenant=tenant).inc(cached)
         self.completion_tokens.labels(tenant=tenant).inc(completion)
 
     def render(self, queue_depth: dict[str, int], inflight: dict[str, int], workers: dict[str, int],
-               assigned: dict[str, int]) -> bytes:
-        """The exposition text, with gauges refreshed from the given snapshots."""
+               assigned: dict[str, int], router: dict | None = None) -> bytes:
+        """The exposition text, with gauges refreshed from the given snapshots (``router``: the
+        router actor's ``metrics()``, None when it did not answer)."""
+        if router:
+            for kind, n in router.get("decisions", {}).items():
+                self.router_decisions.labels(kind=kind).set(n)
+            self.router_bytes.set(router.get("bytes_pulled", 0))
+            self.router_failures.set(router.get("pull_failures", 0))
+            for kind, e in router.get("ttft_error", {}).items():
+                self.router_error.labels(kind=kind).set(e["mean_abs_s"])
         for g, values in ((self.queue_depth, queue_depth), (self.inflight, inflight)):
             for labels in list(g._metrics):  # reset tenants that dropped to 0
                 g.labels(*labels).set(0)

@@ -317,6 +317,7 @@ class WorkerPool:
             ws.inflight += 1
             ws.inflight_tokens += flight.cost
             finished = False
+            t_start = time.monotonic()
             gen = ws.actor.generate.remote(request, choice.pulls)
             try:
                 async for ref in gen:
@@ -325,6 +326,9 @@ class WorkerPool:
                     except ray.exceptions.RayActorError as e:
                         self._mark_dead(ws)
                         raise WorkerUnavailable(f"worker {ws.worker_id} died: {e}") from None
+                    if not flight.started and choice.expected_ttft_s is not None and self._router_client is not None:
+                        self._router_client.report("report_outcome", out.route or choice.route,
+                                                   choice.expected_ttft_s, time.monotonic() - t_start)
                     flight.started = True
                     flight.output_tokens = out.num_output_tokens
                     finished = out.finished
@@ -359,6 +363,12 @@ class WorkerPool:
             out.append({"worker_id": w.worker_id, "tenant": w.tenant, "ready": w.info is not None,
                         "draining": w.draining, "inflight": w.inflight, "engine": s})
         return out
+
+    async def router_metrics(self) -> dict | None:
+        """The router actor's metrics (decisions, bytes pulled, TTFT errors), None if unavailable."""
+        if self._router_client is None:
+            return None
+        return await self._router_client._ask("metrics")
 
     def queue_depth(self) -> dict[str, int]:
         """Per tenant: requests admitted but without their first token yet."""

@@ -32,6 +32,8 @@ class ApiError(Exception):
 class KvmeshOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reuse: Literal["approximate", "exact", "none"] | None = None
+    template: StrictStr | None = None  # a template id of the tenant (tenants file or POST /v1/templates)
+    params: dict[StrictStr, StrictStr] | None = None  # the template's parameter values
 
 
 class StreamOptions(BaseModel):

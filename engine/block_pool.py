@@ -24,7 +24,7 @@ import hashlib
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from policies.eviction import TenantEvictionPolicy
 
@@ -45,6 +45,11 @@ def hash_block(parent: BlockHash | None, tokens: Sequence[int], extra: bytes) ->
     return h.digest()[:16]
 
 
+def extra_key(model_id: str, domain: str) -> bytes:
+    """The extra keys of every block hash: model id and share domain."""
+    return f"{model_id}\x00{domain}".encode()
+
+
 def hash_blocks(tokens: Sequence[int], block_size: int, extra: bytes, parent: BlockHash | None = None) -> list[BlockHash]:
     """Chain hashes of every full block of ``tokens``."""
     out: list[BlockHash] = []
@@ -52,6 +57,18 @@ def hash_blocks(tokens: Sequence[int], block_size: int, extra: bytes, parent: Bl
         parent = hash_block(parent, tokens[start : start + block_size], extra)
         out.append(parent)
     return out
+
+
+def prompt_chains(tokens: Sequence[int], block_size: int, model_id: str, domains: Iterable[str],
+                  num_blocks: int | None = None) -> dict[str, list[BlockHash]]:
+    """Chain hashes of a prompt under each readable domain (own domain first, then grants).
+
+    By default ``(len - 1) // block_size`` blocks, as many as the engine can reuse (it always
+    computes at least one token).
+    """
+    n = (len(tokens) - 1) // block_size if num_blocks is None else num_blocks
+    head = list(tokens[: n * block_size])
+    return {d: hash_blocks(head, block_size, extra_key(model_id, d)) for d in dict.fromkeys(domains)}
 
 
 @dataclass(slots=True)
@@ -221,7 +238,7 @@ class BlockPool:
         """Raise AssertionError unless the accounting in the module docstring holds (for tests)."""
         free = set(self._free)
         assert len(free) == len(self._free), "a block is twice in the free list"
-        evictable = {b for lru in self.eviction._lru.values() for b in lru}
+        evictable = self.eviction.evictable_ids()
         held: dict[TenantId, int] = {}
         for block in self.blocks:
             i = block.block_id

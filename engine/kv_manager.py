@@ -9,7 +9,7 @@ the first miss. New blocks are registered under the request's own domain only.
 
 from __future__ import annotations
 
-from engine.block_pool import Block, BlockHash, BlockPool, hash_block
+from engine.block_pool import Block, BlockHash, BlockPool, extra_key, hash_block, prompt_chains
 from engine.sequence import Sequence
 
 
@@ -24,18 +24,23 @@ class KVManager:
     def extra_key(self, domain: str) -> bytes:
         key = self._extra.get(domain)
         if key is None:
-            key = self._extra[domain] = f"{self.model_id}\x00{domain}".encode()
+            key = self._extra[domain] = extra_key(self.model_id, domain)
         return key
-
-    def _hashes(self, seq: Sequence, domain: str, n_blocks: int) -> list[BlockHash]:
-        extra, bs, parent, out = self.extra_key(domain), self.block_size, None, []
-        for i in range(n_blocks):
-            parent = hash_block(parent, seq.tokens[i * bs : (i + 1) * bs], extra)
-            out.append(parent)
-        return out
 
     def _caching(self, seq: Sequence) -> bool:
         return self.enable_prefix_caching and seq.request.reuse != "none"
+
+    def held_blocks(self, chains: dict[str, list[BlockHash]], start: int = 0, end: int | None = None) -> list[Block]:
+        """Cached blocks at prompt positions [start, end) under any of ``chains``, up to the first
+        miss (a hit at position i under any readable domain is the same KV)."""
+        end = min((len(c) for c in chains.values()), default=0) if end is None else end
+        out: list[Block] = []
+        for i in range(start, end):
+            block = next((b for c in chains.values() if (b := self.pool.get_cached_block(c[i])) is not None), None)
+            if block is None:
+                break
+            out.append(block)
+        return out
 
     def find_prefix(self, seq: Sequence) -> list[Block]:
         """Longest run of cached blocks matching the sequence's leading tokens (not yet touched).
@@ -44,21 +49,10 @@ class KVManager:
         """
         if not self._caching(seq):
             return []
-        n = (len(seq.tokens) - 1) // self.block_size
-        own = self._hashes(seq, seq.request.domain, n)
-        seq.block_hashes = list(own)
-        chains = [own] + [self._hashes(seq, d, n) for d in seq.request.read_domains if d != seq.request.domain]
-        hit: list[Block] = []
-        for i in range(n):
-            block = None
-            for chain in chains:
-                block = self.pool.get_cached_block(chain[i])
-                if block is not None:
-                    break
-            if block is None:
-                break
-            hit.append(block)
-        return hit
+        req = seq.request
+        chains = prompt_chains(seq.tokens, self.block_size, self.model_id, (req.domain, *req.read_domains))
+        seq.block_hashes = list(chains[req.domain])
+        return self.held_blocks(chains)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int, hit: list[Block] = ()) -> int:
         """Free blocks an allocation up to ``num_tokens`` would consume, to compare with

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_pool import BlockHash, BlockPool, hash_blocks
+from engine.approx import ApproxConfig, ApproxReuse
+from engine.block_pool import BlockHash, BlockPool, prompt_chains
 from engine.kv_cache import KVBlocks, PagedKVCache
 from engine.kv_manager import KVManager
 from engine.model_loader import LoadedModel, load_model
@@ -34,6 +35,7 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None
     tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
+    approx: ApproxConfig | None = ApproxConfig()  # None: "approximate" requests run exactly (CPU only)
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -75,6 +77,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model, self.cache, config.attention)
         self.eos_ids = self._eos_ids()
         self.seqs: dict[str, Sequence] = {}
+        self.approx = (ApproxReuse(self.loaded.model, self.tokenizer, config.approx)
+                       if config.approx is not None and config.device == "cpu" else None)
         self.tenant_metrics: dict[str, TenantMetrics] = {}
         self.num_steps = 0
 
@@ -108,6 +112,7 @@ class LLMEngine:
                 f"{self.max_model_len} tokens")
         if request.reuse not in REUSE_MODES:
             raise InvalidRequest(f"reuse must be one of {REUSE_MODES}, got {request.reuse!r}")
+        check_approx_fields(request)
 
     def add_request(self, request: Request) -> None:
         self.validate(request)
@@ -132,9 +137,10 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.pool.evict_expired()
+        early = self._admit_approximate() if self.approx is not None else []
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            return []
+            return early
         chunks = []
         for seq, n in scheduled:
             start = seq.num_computed
@@ -152,11 +158,76 @@ class LLMEngine:
         sampled_seqs = []
         for (seq, n), (_, _, want, _) in zip(scheduled, chunks):
             seq.num_computed += n
-            self.kv.commit(seq)
+            if not seq.approx_kv:  # approximate KV must never enter the exact prefix cache
+                self.kv.commit(seq)
             if want:
                 sampled_seqs.append(seq)
+                if seq.num_output == 0 and not seq.approx_kv and self.approx is not None \
+                        and seq.request.reuse == "approximate":
+                    self._donate(seq)
         tokens = sample(logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs])
-        return [self._append(seq, tok) for seq, tok in zip(sampled_seqs, tokens)]
+        return early + [self._append(seq, tok) for seq, tok in zip(sampled_seqs, tokens)]
+
+    # -- approximate reuse (engine/approx.py) -----------------------------------------------
+    def _admit_approximate(self) -> list[RequestOutput]:
+        """Admit waiting ``approximate`` requests that have a donor: build their prompt KV by
+        remapping (outside the batched forward), write it into their own blocks and sample the
+        first token; they then decode in the batch. Leading blocks held by the exact prefix
+        cache are shared as usual; the rest is never registered (``Sequence.approx_kv``).
+        Each request is tried once; one that finds no donor or no room runs exactly."""
+        outs = []
+        bs = self.config.block_size
+        for seq in [s for s in self.scheduler.waiting if s.request.reuse == "approximate" and not s.approx_tried]:
+            seq.approx_tried = True
+            if seq.num_output or len(self.scheduler.running) >= self.config.max_num_seqs:
+                continue
+            m = self.approx.match(seq.request)
+            if m is None:
+                continue
+            n = seq.num_prompt
+            hit = self.kv.find_prefix(seq)
+            hit_tokens = len(hit) * bs
+            gain = sum(1 for i in range(hit_tokens, m.suffix_start) if m.plan.src[i] is not None)
+            if hit_tokens > m.plan.exact_prefix or gain < self.config.approx.min_gain_tokens:
+                continue  # the exact prefix cache serves (nearly) as much: run exactly
+            if self.kv.blocks_needed(seq, n, hit) > self.pool.num_free_blocks():
+                continue
+            t0 = time.perf_counter()
+            res = self.approx.build(seq.request, m)
+            dt = time.perf_counter() - t0
+            self.scheduler.waiting.remove(seq)
+            self.kv.admit(seq, hit)
+            self.kv.grow(seq, n)
+            table = [b.block_id for b in seq.blocks]
+            slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(hit_tokens, n)], dtype=torch.long)
+            for layer in range(self.cache.num_layers):
+                self.cache.write(layer, slots, res.kv.k[layer, hit_tokens:n].to(self.cache.dtype),
+                                 res.kv.v[layer, hit_tokens:n].to(self.cache.dtype))
+            seq.num_computed = n
+            seq.approx_kv = True
+            seq.num_approx = max(0, n - res.computed - hit_tokens)
+            seq.num_cached = hit_tokens + seq.num_approx
+            seq.prefill_s = dt
+            seq.status = SequenceStatus.RUNNING
+            self.scheduler.running.append(seq)
+            tok = sample(res.logits[None], [seq.params], [seq.generator])[0]
+            outs.append(self._append(seq, tok))
+        return outs
+
+    def _donate(self, seq: Sequence) -> None:
+        """Store an exactly prefilled approximate-mode prompt's KV in the slot pool."""
+        bs, n = self.config.block_size, seq.num_prompt
+        table = [b.block_id for b in seq.blocks]
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)], dtype=torch.long)
+        k = torch.stack([self.cache.k[layer].index_select(0, slots) for layer in range(self.cache.num_layers)])
+        v = torch.stack([self.cache.v[layer].index_select(0, slots) for layer in range(self.cache.num_layers)])
+        self.approx.store(seq.request, k.float(), v.float())
+
+    def register_template(self, domain: str, template_id: str, text: str) -> None:
+        """Register a template for ``domain`` (requests may then name it without its text)."""
+        if self.approx is None:
+            raise InvalidRequest("approximate reuse is disabled on this engine")
+        self.approx.register_template(domain, template_id, text)
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         now = time.perf_counter()
@@ -216,7 +287,7 @@ class LLMEngine:
         ttft = seq.first_token_at - seq.arrival if seq.first_token_at else None
         return RequestOutput(seq.request_id, new_ids, delta, seq.finished, seq.finish_reason,
                              seq.num_prompt, seq.num_cached, seq.num_output, ttft,
-                             seq.prefill_s if seq.first_token_at else None)
+                             seq.prefill_s if seq.first_token_at else None, num_approx_tokens=seq.num_approx)
 
     # -- moving KV between engines (pulls) ---------------------------------------------------
     def prompt_chains(self, request: Request) -> dict[str, list[BlockHash]]:
@@ -224,29 +295,17 @@ class LLMEngine:
         (own domain first). Empty when the request does not reuse KV."""
         if request.reuse == "none" or not self.config.enable_prefix_caching:
             return {}
-        bs = self.config.block_size
-        head = list(request.prompt_ids[: (len(request.prompt_ids) - 1) // bs * bs])
-        domains = dict.fromkeys((request.domain, *request.read_domains))
-        return {d: hash_blocks(head, bs, self.kv.extra_key(d)) for d in domains}
+        return prompt_chains(request.prompt_ids, self.config.block_size, self.loaded.model_id,
+                             (request.domain, *request.read_domains))
 
     def held_prefix_tokens(self, chains: dict[str, list[BlockHash]]) -> int:
         """Leading prompt tokens this engine holds under any of ``chains``."""
-        return len(self._held_blocks(chains, 0, _chain_len(chains))) * self.config.block_size
-
-    def _held_blocks(self, chains, start: int, end: int):
-        out = []
-        for i in range(start, end):
-            block = next((b for c in chains.values() if (b := self.pool.get_cached_block(c[i])) is not None), None)
-            if block is None:
-                break
-            out.append(block)
-        return out
+        return len(self.kv.held_blocks(chains)) * self.config.block_size
 
     def export_prefix(self, chains: dict[str, list[BlockHash]], start: int, end: int) -> KVBlocks | None:
         """KV of prompt blocks [start, end) held here under any of ``chains`` (up to the first
         miss), or None. Only hashes the requester computed from its own tokens can match."""
-        end = min(end, _chain_len(chains))
-        blocks = self._held_blocks(chains, start, end)
+        blocks = self.kv.held_blocks(chains, start, min(end, _chain_len(chains)))
         if not blocks:
             return None
         bs = self.config.block_size
@@ -269,7 +328,7 @@ class LLMEngine:
                 raise ValueError(f"pulled block {pos} does not match the prompt's hash chain")
             if self.pool.get_cached_block(h) is None:
                 placed.append((i, h, chains[domain][pos - 1] if pos else None, domain))
-        if not placed or not self.pool.can_allocate(len(placed)):
+        if not placed or not self.pool.can_allocate(len(placed), tenant):
             return 0
         blocks = self.pool.allocate(len(placed), tenant)
         idx = [i for i, *_ in placed]
@@ -312,3 +371,19 @@ class LLMEngine:
 
 def _chain_len(chains: dict[str, list[BlockHash]]) -> int:
     return min((len(c) for c in chains.values()), default=0)
+
+
+def check_approx_fields(request: Request) -> None:
+    """Raise InvalidRequest for malformed approximate-reuse fields (ignored unless approximate)."""
+    from policies.remap import REMAP_POLICIES
+
+    if request.remap_policy is not None and request.remap_policy not in REMAP_POLICIES:
+        raise InvalidRequest(f"remap_policy must be one of {sorted(REMAP_POLICIES)}, got {request.remap_policy!r}")
+    r = request.recompute_ratio
+    if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0):
+        raise InvalidRequest(f"recompute_ratio must be in [0, 1], got {r!r}")
+    if request.template is not None and not isinstance(request.template, str):
+        raise InvalidRequest("template must be a string id")
+    p = request.template_params
+    if p is not None and (not isinstance(p, dict) or not all(isinstance(k, str) and isinstance(x, str) for k, x in p.items())):
+        raise InvalidRequest("template params must map names to strings")

@@ -70,6 +70,14 @@ class Request:
     reuse: str = "exact"
     # Domains this request may read KV from besides its own (grants), tried in order.
     read_domains: tuple[str, ...] = ()
+    # Approximate reuse (engine/approx.py), used only when reuse == "approximate": the template
+    # the prompt instantiates (id; its text here or registered with the engine) and its values;
+    # remap policy and recompute share r (None: the engine's defaults).
+    template: str | None = None
+    template_text: str | None = field(default=None, compare=False)
+    template_params: dict[str, str] | None = field(default=None, compare=False)
+    remap_policy: str | None = None
+    recompute_ratio: float | None = None
 
     @property
     def domain(self) -> str:
@@ -98,7 +106,10 @@ class Sequence:
     blocks: list[Block] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_computed: int = 0
-    num_cached: int = 0  # prompt tokens served from the prefix cache
+    num_cached: int = 0  # prompt tokens served from reused KV (exact prefix cache + approximate)
+    num_approx: int = 0  # of those, served from approximate (remapped donor) KV
+    approx_kv: bool = False  # KV built from a donor: never registered in the exact prefix cache
+    approx_tried: bool = False
     num_registered: int = 0  # leading blocks already in the prefix cache
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
@@ -151,3 +162,4 @@ class RequestOutput:
     prefill_s: float | None = None  # forward time spent on this prompt (excludes queueing)
     route: str | None = None  # local | pulled | recomputed, set by the worker on every output
     pulled_tokens: int = 0  # prompt tokens whose KV was pulled from another worker
+    num_approx_tokens: int = 0  # of num_cached_tokens, those served from approximate (remapped) KV

@@ -115,6 +115,10 @@ class TenantEvictionPolicy:
                 n += min(len(lru), max(0, self.held.get(tenant, 0) - self.quota(tenant).min_blocks))
         return n
 
+    def evictable_ids(self) -> set[BlockId]:
+        """Every evictable block (for invariant checks)."""
+        return {b for lru in self._lru.values() for b in lru}
+
     def evictable(self, tenant: TenantId) -> int:
         return len(self._lru.get(tenant, ()))
 

@@ -78,9 +78,32 @@ class TenantConfig:
     cache: TenantQuota = TenantQuota()
     limits: RateLimit = RateLimit()
     workers: TenantShare = TenantShare()
+    # approximate reuse: templates {id: "text with {param}"} and the remap policy / recompute share
+    templates: tuple[tuple[str, str], ...] = ()
+    remap_policy: str | None = None
+    recompute_ratio: float | None = None
 
 
-_TENANT_FIELDS = {"name", "api_keys", "share_with", "reuse", "priority", "cache", "limits", "workers"}
+_TENANT_FIELDS = {"name", "api_keys", "share_with", "reuse", "priority", "cache", "limits", "workers",
+                  "templates", "remap"}
+
+
+def _parse_remap(d: dict, where: str) -> tuple[tuple[tuple[str, str], ...], str | None, float | None]:
+    from policies.remap import REMAP_POLICIES
+
+    templates = d.get("templates") or {}
+    if not isinstance(templates, dict) or not all(isinstance(k, str) and k and isinstance(v, str) and v
+                                                  for k, v in templates.items()):
+        raise TenantsError(f"{where}: templates must map template ids to non-empty template texts")
+    remap = d.get("remap") or {}
+    if not isinstance(remap, dict) or set(remap) - {"policy", "recompute_ratio"}:
+        raise TenantsError(f"{where}: remap must be a mapping with policy and recompute_ratio")
+    policy, r = remap.get("policy"), remap.get("recompute_ratio")
+    if policy is not None and policy not in REMAP_POLICIES:
+        raise TenantsError(f"{where}: remap.policy must be one of {sorted(REMAP_POLICIES)}")
+    if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1):
+        raise TenantsError(f"{where}: remap.recompute_ratio must be in [0, 1]")
+    return tuple(sorted(templates.items())), policy, None if r is None else float(r)
 
 
 def _parse_tenant(d: object, defaults: Mapping) -> TenantConfig:
@@ -115,8 +138,10 @@ def _parse_tenant(d: object, defaults: Mapping) -> TenantConfig:
         workers = TenantShare(min_workers=w.get("min", 0), max_workers=w.get("max"))
     except (TypeError, ValueError) as e:
         raise TenantsError(f"{where}: {e}") from None
+    templates, remap_policy, recompute_ratio = _parse_remap(d, where)
     return TenantConfig(name=name, api_keys=tuple(keys), share_with=tuple(share), reuse=reuse,
-                        priority=priority, cache=cache, limits=limits, workers=workers)
+                        priority=priority, cache=cache, limits=limits, workers=workers,
+                        templates=templates, remap_policy=remap_policy, recompute_ratio=recompute_ratio)
 
 
 class Tenants:

@@ -1,0 +1,199 @@
+"""Approximate (Oneiros) reuse in the serving path: donors in, remapped prompt KV out.
+
+At admission a request with ``reuse == "approximate"`` looks for a donor in the slot pool
+(its own share domain and the domains it may read): an instance of the template the request
+names (donor chosen by the remap policy: identity, hash slot classes or learnable), or, when it
+names none, a cached prompt it aligns with except for spans (``detect_template``). The prompt's
+KV is then built by ``engine.remap.remap_prefill`` (donor KV re-rotated, parameter tokens, the
+deviation-selected share ``r`` and the query suffix computed fresh) and written into the
+sequence's paged blocks. Requests that found no donor run exactly and, once prefilled, donate.
+
+Safety invariants (the engine enforces the first two, see ``LLMEngine.step``):
+  * a sequence with approximate KV (``Sequence.approx_kv``) never registers blocks in the exact
+    prefix cache, so ``exact``/``none`` requests never read approximate KV;
+  * only sequences prefilled exactly donate, so approximate KV never feeds another remap;
+  * leading blocks that the exact prefix cache holds are shared as usual (exact KV); approximate
+    KV is written only into the sequence's own new blocks, at positions >= that hit.
+
+Defaults (from ``bench/results/remap.json``, SmolLM2-135M, 3 task families): policy ``hash``
+with ``r = 0.3`` (deviation at layer 1): 61% of prompt tokens reused at greedy EM 0.861, the best
+quality of the calibration-free policies at r > 0. ``learnable`` scored higher (0.715 / 0.889
+at r = 0.15) but needs priorities fitted per template offline; runtime-registered templates have
+none, so here it only changes donor choice (parameter similarity) and keeps deviation selection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.manual_forward import SeqKV
+from engine.remap import RemapResult, remap_prefill
+from engine.sequence import Request
+from engine.slot_pool import Donor, SlotPool
+from policies.remap import (
+    REMAP_POLICIES, Instance, Piece, RemapPlan, Template, detect_template, make_policy, query_suffix_start,
+)
+
+DEFAULT_POLICY = "hash"
+DEFAULT_RECOMPUTE_RATIO = 0.3
+
+
+@dataclass(frozen=True)
+class ApproxConfig:
+    policy: str = DEFAULT_POLICY
+    recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
+    bytes_per_domain: int = 64 * 1024 * 1024
+    max_donors_per_domain: int = 64
+    detect_min_coverage: float = 0.5  # auto-detection: matched share of the new prompt
+    detect_max_candidates: int = 32  # most recent donors compared by auto-detection
+    suffix_tokens: int = 8  # query suffix always computed when the template does not say
+    min_gain_tokens: int = 16  # below this many approximate tokens, run exactly instead
+
+    def __post_init__(self):
+        if self.policy not in REMAP_POLICIES:
+            raise ValueError(f"unknown remap policy {self.policy!r}")
+        if not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ValueError("recompute_ratio must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class ApproxMatch:
+    """A donor and the plan to build the new prompt from it."""
+
+    donor: Donor
+    plan: RemapPlan
+    suffix_start: int
+    instance: Instance | None
+
+
+class ApproxReuse:
+    """Slot pool + template registry + the remap call; pure bookkeeping apart from ``build``."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, config: ApproxConfig = ApproxConfig()):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.pool = SlotPool(config.bytes_per_domain, config.max_donors_per_domain)
+        self.templates: dict[tuple[str, str], str] = {}  # (domain, template id) -> text
+        self.stats = {"approx_requests": 0, "donors_stored": 0, "no_donor": 0}
+
+    # -- templates ---------------------------------------------------------------------------
+    def register_template(self, domain: str, template_id: str, text: str) -> None:
+        Template.parse(template_id, text)  # raises on nothing; parse accepts any text
+        self.templates[(domain, template_id)] = text
+
+    def template_text(self, request: Request) -> str | None:
+        if request.template is None:
+            return None
+        if request.template_text is not None:
+            return request.template_text
+        for d in (request.domain, *request.read_domains):
+            if (d, request.template) in self.templates:
+                return self.templates[(d, request.template)]
+        return None
+
+    def instance(self, request: Request) -> Instance | None:
+        """The prompt as an instance of the template it names, segmented by one tokenisation
+        of the whole prompt; None when it names none or the prompt does not contain the
+        rendered template (e.g. another chat wrapper), or re-tokenising changes the ids."""
+        text = self.template_text(request)
+        if text is None or request.template_params is None:
+            return None
+        try:
+            tmpl = Template.parse(request.template, text)
+            values = {k: str(request.template_params[k]) for k in tmpl.params}
+            rendered, _ = tmpl.render(values)
+            full = self.tokenizer.decode(list(request.prompt_ids), skip_special_tokens=False)
+            at = full.find(rendered)
+            if at < 0 or not rendered:
+                return None
+            wrapped = _wrap(tmpl, full[:at], full[at + len(rendered):])
+            return Instance.build(wrapped, values, _tokenize_fn(self.tokenizer, request.prompt_ids))
+        except (KeyError, ValueError):
+            return None
+
+    # -- donors ------------------------------------------------------------------------------
+    def store(self, request: Request, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Keep an exactly prefilled prompt's KV ``[layers, n, kv_heads, head_dim]`` as a donor."""
+        inst = self.instance(request)
+        policy = make_policy(request.remap_policy or self.config.policy)
+        donor = Donor(request.domain, request.tenant, tuple(request.prompt_ids),
+                      SeqKV(k, v, torch.arange(k.shape[1])), inst,
+                      request.template if inst is not None else None,
+                      policy.slot_key(inst) if inst is not None else None)
+        ok = self.pool.put(donor)
+        self.stats["donors_stored"] += ok
+        return ok
+
+    def match(self, request: Request) -> ApproxMatch | None:
+        """The donor and plan for an approximate request, or None (run it exactly)."""
+        if request.reuse != "approximate":
+            return None
+        cands = self.pool.candidates((request.domain, *request.read_domains))
+        ids = list(request.prompt_ids)
+        n = len(ids)
+        if request.template is not None:
+            inst = self.instance(request)
+            if inst is None:
+                return None
+            same = [d for d in cands if d.instance is not None and d.template_id == request.template]
+            policy = make_policy(request.remap_policy or self.config.policy)
+            chosen = policy.choose_donor(inst, [d.instance for d in same])
+            if chosen is None:
+                self.stats["no_donor"] += 1
+                return None
+            donor = next(d for d in same if d.instance is chosen)
+            return ApproxMatch(donor, policy.plan(inst, chosen), query_suffix_start(inst, self.config.suffix_tokens), inst)
+        pool = [d for d in cands if d.token_ids != tuple(ids)][: self.config.detect_max_candidates]
+        found = detect_template(ids, [d.token_ids for d in pool], min_coverage=self.config.detect_min_coverage)
+        if found is None:
+            self.stats["no_donor"] += 1
+            return None
+        return ApproxMatch(pool[found.donor_index], found.plan, max(0, n - self.config.suffix_tokens), None)
+
+    def build(self, request: Request, m: ApproxMatch) -> RemapResult:
+        """Run the remap (outside the batched forward); the donor becomes most recently used."""
+        r = self.config.recompute_ratio if request.recompute_ratio is None else request.recompute_ratio
+        self.pool.touch(m.donor)
+        self.stats["approx_requests"] += 1
+        donor = m.donor.kv
+        if donor.k.dtype != torch.float32:
+            donor = SeqKV(donor.k.float(), donor.v.float(), donor.positions)
+        return remap_prefill(self.model, list(request.prompt_ids), donor, m.plan, r=r,
+                             select_layer=min(1, self.model.config.num_hidden_layers - 1), suffix_start=m.suffix_start)
+
+
+def _wrap(tmpl: Template, before: str, after: str) -> Template:
+    """``tmpl`` inside the prompt's surrounding text (chat markup), literal pieces merged."""
+    pieces = list(tmpl.pieces)
+    if before:
+        if pieces and pieces[0].param is None:
+            pieces[0] = Piece(before + pieces[0].text)
+        else:
+            pieces.insert(0, Piece(before))
+    if after:
+        if pieces and pieces[-1].param is None:
+            pieces[-1] = Piece(pieces[-1].text + after)
+        else:
+            pieces.append(Piece(after))
+    return Template(tmpl.name, tuple(pieces))
+
+
+def _tokenize_fn(tokenizer, prompt_ids):
+    """``text -> (ids, char offsets)`` that must reproduce ``prompt_ids`` (ValueError if not):
+    a HF fast tokenizer's offsets mapping, else offsets from decoding growing prefixes."""
+    want = list(prompt_ids)
+
+    def tokenize(text: str):
+        if getattr(tokenizer, "is_fast", False):
+            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+        else:
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            ends = [len(tokenizer.decode(ids[: i + 1], skip_special_tokens=False)) for i in range(len(ids))]
+            offsets = [(ends[i - 1] if i else 0, e) for i, e in enumerate(ends)]
+        if ids != want:
+            raise ValueError("re-tokenising the prompt text does not give the prompt's ids")
+        return ids, offsets
+
+    return tokenize
