@@ -10,8 +10,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from engine.block_pool import Block, BlockHash
-
-REUSE_MODES = ("approximate", "exact", "none")
+from policies.tenancy import REUSE_MODES  # noqa: F401 - one definition, re-exported
 
 
 class InvalidRequest(ValueError):

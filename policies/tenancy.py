@@ -34,7 +34,7 @@ from policies.autoscale import TenantShare
 from policies.eviction import TenantQuota
 
 TenantId = str
-# Must equal engine.sequence.REUSE_MODES (kept here so this module stays torch-free; a test checks).
+# The request reuse modes (the engine imports them from here).
 REUSE_MODES = ("approximate", "exact", "none")
 TENANTS_ENV = "KVMESH_TENANTS"
 
