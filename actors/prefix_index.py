@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
-from engine.block_pool import BlockHash, prompt_chains  # noqa: F401 - re-exported for callers
+from engine.block_pool import BlockHash, extra_key, prompt_chains  # noqa: F401 - re-exported for callers
 
 WorkerId = str
 Domain = str
