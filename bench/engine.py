@@ -52,22 +52,31 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
-def bench_prefill(loaded, engine, prompts):
+def bench_prefill(loaded, engine, prompts, reps: int = 3):
+    """Per prompt, HF forward and kvmesh prefill alternate ``reps`` times; the best of each is kept
+    (interleaving keeps a noisy machine from favouring whichever runs first)."""
     model = loaded.model
-    with torch.inference_mode():
-        model(torch.tensor([prompts[0]]))  # warm-up
-    t_hf = 0.0
-    for ids in prompts:
-        dt, _ = timed(lambda: model(torch.tensor([ids])).logits[0, -1].argmax())
-        t_hf += dt
-    engine.generate([Request("warm", tuple(prompts[0]), SamplingParams(max_tokens=1, temperature=0), reuse="none")])
-    t_ours = 0.0
+
+    def hf(ids):
+        with torch.inference_mode():
+            model(torch.tensor([ids])).logits[0, -1].argmax()
+
+    def ours(ids, tag):
+        engine.generate([Request(tag, tuple(ids), SamplingParams(max_tokens=1, temperature=0), reuse="none")])
+
+    hf(prompts[0])
+    ours(prompts[0], "warm")
+    t_hf = t_ours = 0.0
     for i, ids in enumerate(prompts):
-        req = Request(f"p{i}", tuple(ids), SamplingParams(max_tokens=1, temperature=0), reuse="none")
-        dt, _ = timed(lambda: engine.generate([req]))
-        t_ours += dt
+        best_hf = best_ours = float("inf")
+        for r in range(reps):
+            best_hf = min(best_hf, timed(lambda: hf(ids))[0])
+            best_ours = min(best_ours, timed(lambda: ours(ids, f"p{i}.{r}"))[0])
+        t_hf += best_hf
+        t_ours += best_ours
     tokens = sum(map(len, prompts))
-    return {"tokens": tokens, "hf_tok_s": tokens / t_hf, "kvmesh_tok_s": tokens / t_ours, "ratio": t_hf / t_ours}
+    return {"tokens": tokens, "hf_tok_s": tokens / t_hf, "kvmesh_tok_s": tokens / t_ours, "ratio": t_hf / t_ours,
+            "method": f"best of {reps} alternating runs per prompt"}
 
 
 def run_kvmesh(engine, prompts, new_tokens, tag):

@@ -44,6 +44,12 @@ RAY_BIN = str(Path(sys.executable).with_name("ray"))
 # Ray reads its auth mode when it is imported: import this module before ``ray``.
 os.environ["RAY_AUTH_MODE"] = "token"
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# A raylet re-requests an object it has not received within this time, and the sender then
+# resends *all* chunks ("Duplicate push request ..., resending all the chunks"): with the default
+# 10 s, an object taking > 10 s on a slow link (e.g. 70 MB at 25 Mbit/s) is sent twice and the
+# duplicate keeps the link busy after the get returns, slowing the next transfers. The nodes
+# inherit this environment.
+os.environ.setdefault("RAY_object_manager_pull_timeout_ms", "120000")
 
 
 @dataclass(frozen=True)

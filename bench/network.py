@@ -9,11 +9,12 @@ engineers' load, i.e. it "produces" 7-18 MB/s of KV; 100 Mbit/s (12 MB/s) sits i
 so pull vs recompute there is a coin toss decided by the machine's load. ``--slow-mbit 100`` runs it.
 
 Phases (everything the router learns comes from real measurements on these links):
-  1. warm-up (not scored): per link a 512-token prefix is cached on the holder, pulled by the
-     target (the worker reports the transfer) and recomputed (workers report prefills).
+  1. warm-up (not scored): every worker prefills 64 and 1536 tokens (the router's prefill fits
+     start from samples spanning the range); per link a 512-token prefix is cached on the holder,
+     pulled by the target (the worker reports the transfer) and recomputed.
      Before every routing decision a light probe of the link goes to the router: one actor ping
      (RTT) and ``--probes`` objects of ``--probe-mb`` MB (bandwidth).
-  2. sweep (scored): for each prompt length and link, a fresh prefix is cached on the holder, then
+  2. sweep (scored): for each prompt length and link (shuffled), a fresh prefix is cached on the holder, then
      for each holder load (a real queue: a prompt of that many tokens sent to the holder just
      before) ``cluster.routing.CostAwareRouter.choose`` decides (index lookup + router actor); then
      all three options are measured on that prompt: (a) route to the holder behind its queue,
@@ -361,6 +362,7 @@ def plot(result: dict, path: Path) -> None:
                    marker="o" if r["match"] else "X")
     ax.set_xticks(range(len(sweep)), [f"{r['link'][0]}{r['prompt_tokens']}/{r['holder_load_tokens']}"
                                       for r in sweep], rotation=90, fontsize=6)
+    ax.set_yscale("log")
     ax.set_ylabel("measured TTFT (s)")
     ax.set_title(f"sweep: options (green holder, blue pull, orange recompute)\n"
                  f"black = router's choice; match {result['summary']['sweep']['match_rate']:.0%}", fontsize=9)
@@ -381,7 +383,9 @@ def plot(result: dict, path: Path) -> None:
     ax2.set_ylabel("MB/s")
     ax.legend(loc="upper left", fontsize=7)
     ax2.legend(loc="upper right", fontsize=7)
-    ax.set_title("switch: the slow link re-shaped 100 -> 1000 -> 100 Mbit/s", fontsize=9)
+    a = result["args"]
+    ax.set_title(f"switch: the slow link re-shaped {a['slow_mbit']:g} -> {a['fast_mbit']:g} -> {a['slow_mbit']:g} Mbit/s",
+                 fontsize=9)
     ax = axes[2]
     for rate, mk in zip(sorted({p["rate_mbit"] for p in result["pulls"]}), "os^v"):
         ps = [p for p in result["pulls"] if p["rate_mbit"] == rate]
@@ -431,7 +435,12 @@ def main() -> None:
         b = Bench(lab, args)
         print(f"workers ready at {time.time() - t0:.0f}s (4 x {b.model_id}, {b.kv_bytes_per_token} B/token KV)", flush=True)
 
-        print("warm-up (not scored): pulls and prefills at 512 tokens on each link")
+        print("warm-up (not scored): prefills of 64 and 1536 tokens on every worker; a pull and prefills "
+              "at 512 tokens on each link", flush=True)
+        for w, st in b.states.items():
+            for n in (64, 1536):
+                ray.get(st.actor.generate_all.remote(Request(b._rid(f"cal-{w}"), b._tokens(n), ONE, reuse="none")),
+                        timeout=300)
         for link in b.pairs:
             b.probe(b.pairs[link])
             b.case(link, 512, [0], raw=False)
@@ -440,9 +449,10 @@ def main() -> None:
 
         print("sweep: prompt length x holder load, per link")
         sweep = []
-        for n in args.lengths:
-            for link in b.pairs:
-                sweep += b.case(link, n, args.loads)["rows"]
+        order = [(n, link) for n in args.lengths for link in b.pairs]
+        np.random.default_rng(args.seed).shuffle(order)  # not ascending: the router must not just extrapolate
+        for n, link in order:
+            sweep += b.case(link, n, args.loads)["rows"]
 
         print("switch: slow link re-shaped while the router decides pull vs recompute (holder not a candidate)")
         switch = []
