@@ -28,6 +28,7 @@ class KVBlocks:
     positions: tuple[int, ...]
     model_id: str
     hashes: tuple[bytes, ...] = ()
+    dtype: str = "float32"  # torch dtype of the cache; bfloat16 travels as int16 bits (numpy has none)
 
     @property
     def num_blocks(self) -> int:
@@ -70,18 +71,34 @@ class PagedKVCache:
 
     def export_blocks(self, block_ids: list[int], positions: list[int], model_id: str, hashes=()) -> KVBlocks:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
-        ks = torch.stack([self.paged(layer)[0].index_select(0, idx) for layer in range(self.num_layers)])
-        vs = torch.stack([self.paged(layer)[1].index_select(0, idx) for layer in range(self.num_layers)])
-        return KVBlocks(ks.cpu().numpy(), vs.cpu().numpy(), tuple(positions), model_id, tuple(hashes))
+        shape = (self.num_layers, len(block_ids), self.block_size, self.num_kv_heads, self.head_dim)
+        ks = torch.empty(shape, dtype=self.dtype, device=self.k[0].device)  # one copy, gathered in place
+        vs = torch.empty(shape, dtype=self.dtype, device=self.k[0].device)
+        for layer in range(self.num_layers):
+            pk, pv = self.paged(layer)
+            torch.index_select(pk, 0, idx, out=ks[layer])
+            torch.index_select(pv, 0, idx, out=vs[layer])
+        return KVBlocks(_to_numpy(ks), _to_numpy(vs), tuple(positions), model_id, tuple(hashes),
+                        str(self.dtype).removeprefix("torch."))
 
     def import_blocks(self, block_ids: list[int], data: KVBlocks) -> None:
         expected = (self.num_layers, len(block_ids), self.block_size, self.num_kv_heads, self.head_dim)
         if data.k.shape != expected or data.v.shape != expected:
             raise ValueError(f"KV blocks of shape {data.k.shape} do not fit this cache {expected}")
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.k[0].device)
-        k = torch.from_numpy(data.k).to(device=self.k[0].device, dtype=self.dtype)
-        v = torch.from_numpy(data.v).to(device=self.k[0].device, dtype=self.dtype)
+        k = _from_numpy(data.k, data.dtype).to(device=self.k[0].device, dtype=self.dtype)
+        v = _from_numpy(data.v, data.dtype).to(device=self.k[0].device, dtype=self.dtype)
         for layer in range(self.num_layers):
             pk, pv = self.paged(layer)
             pk.index_copy_(0, idx, k[layer])
             pv.index_copy_(0, idx, v[layer])
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.cpu()
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _from_numpy(a: np.ndarray, dtype: str) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t

@@ -204,3 +204,18 @@ def test_export_import_blocks_roundtrip(tiny_model):
     np.testing.assert_array_equal(again.v, kv.v)
     with pytest.raises(ValueError):
         eng.cache.import_blocks([5], kv)
+
+
+def test_bfloat16_blocks_travel_as_bits():
+    from engine.kv_cache import PagedKVCache
+
+    cache = PagedKVCache(2, 8, 4, 2, 8, dtype=torch.bfloat16)
+    for layer in range(2):
+        cache.k[layer].normal_()
+        cache.v[layer].normal_()
+    kv = cache.export_blocks([1, 3], positions=[0, 4], model_id="m")
+    assert kv.dtype == "bfloat16" and kv.k.dtype == np.int16
+    other = PagedKVCache(2, 8, 4, 2, 8, dtype=torch.bfloat16)
+    other.import_blocks([0, 1], kv)
+    assert torch.equal(other.paged(1)[0][:2], cache.paged(1)[0][[1, 3]])
+    assert torch.equal(other.paged(0)[1][:2], cache.paged(0)[1][[1, 3]])
