@@ -332,9 +332,10 @@ class LLMEngine:
             return 0
         blocks = self.pool.allocate(len(placed), tenant)
         idx = [i for i, *_ in placed]
-        self.cache.import_blocks([b.block_id for b in blocks],
-                                 KVBlocks(data.k[:, idx], data.v[:, idx], tuple(data.positions[i] for i in idx),
-                                          data.model_id, tuple(data.hashes[i] for i in idx)))
+        if len(idx) < data.num_blocks:  # some blocks are cached here already: import the rest
+            data = KVBlocks(data.k[:, idx], data.v[:, idx], tuple(data.positions[i] for i in idx),
+                            data.model_id, tuple(data.hashes[i] for i in idx), data.dtype)
+        self.cache.import_blocks([b.block_id for b in blocks], data)
         for block, (_, h, parent, domain) in zip(blocks, placed):
             self.pool.cache_full_block(block, h, parent, tenant, domain)
         self.pool.free(blocks)

@@ -36,6 +36,11 @@ def test_export_import_between_engines_reuses_exactly(tiny_model):
     assert data.num_blocks == 4 and data.positions == (0, 16, 32, 48)
     assert b.import_prefix(data, 0, chains, "t1") == 64
     assert b.import_prefix(data, 0, chains, "t1") == 0  # already cached: nothing new
+    c = LLMEngine(CFG, loaded=tiny_model)
+    c.generate([Request("half", PREFIX[:33], GREEDY, tenant="t1")])  # caches blocks 0-1 itself
+    assert c.held_prefix_tokens(chains) == 32
+    assert c.import_prefix(data, 0, chains, "t1") == 32  # imports only blocks 2-3
+    assert ids(c.generate([Request("r2", prompt, GREEDY, tenant="t1")])["r2"]) == reference(tiny_model, prompt)
     out = b.generate([req])["r"]
     assert out[-1].num_cached_tokens == 64
     assert ids(out) == reference(tiny_model, prompt)
