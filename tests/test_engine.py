@@ -219,3 +219,20 @@ def test_bfloat16_blocks_travel_as_bits():
     other.import_blocks([0, 1], kv)
     assert torch.equal(other.paged(1)[0][:2], cache.paged(1)[0][[1, 3]])
     assert torch.equal(other.paged(0)[1][:2], cache.paged(0)[1][[1, 3]])
+
+
+@pytest.mark.parametrize("new,past", [(7, 3), (40, 24), (10, 50), (5, 0)])
+def test_attention_with_context_equals_masked_sdpa(new, past):
+    """Both paths (split + log-sum-exp merge when the chunk is longer than its context, one masked
+    call otherwise) equal a plain masked SDPA with a bottom-right causal mask."""
+    import torch.nn.functional as F
+
+    from engine.model_runner import attend_with_context
+
+    g = torch.Generator().manual_seed(new * 100 + past)
+    q = torch.randn(new, 4, 16, generator=g).transpose(0, 1)[None]
+    k = torch.randn(past + new, 2, 16, generator=g).transpose(0, 1)[None]
+    v = torch.randn(past + new, 2, 16, generator=g).transpose(0, 1)[None]
+    mask = torch.ones(new, past + new, dtype=torch.bool).tril(diagonal=past)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(attend_with_context(q, k, v, past, 0.25), ref, atol=1e-5, rtol=1e-5)
