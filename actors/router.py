@@ -56,8 +56,12 @@ class Router:
         else:
             self.pull_failures += 1
 
-    def report_probe(self, src: NodeId, dst: NodeId, rtt_s: float) -> None:
+    def report_probe(self, src: NodeId, dst: NodeId, rtt_s: float, nbytes: int = 0, seconds: float = 0.0) -> None:
+        """A light probe between workers: its RTT and, if it carried ``nbytes``, a bandwidth
+        sample (not counted as pulled bytes)."""
         self.model.links.observe_rtt(src, dst, rtt_s)
+        if nbytes:
+            self.model.links.observe_transfer(src, dst, nbytes, seconds)
 
     def report_load(self, worker: WorkerId, load: WorkerLoad) -> None:
         self.model.observe_load(worker, load)

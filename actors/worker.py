@@ -12,6 +12,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
 import ray
 
 from engine.async_engine import AsyncEngine
@@ -115,6 +116,32 @@ class Worker:
     async def prefetch(self, request: Request, pulls: tuple[Pull, ...]) -> int:
         """Import a prompt's prefix from holders without running the request (replication)."""
         return (await self._pull(request, pulls))[1]
+
+    def probe_payload(self, nbytes: int):
+        """Bytes for a peer's link probe (through the object store, like a pull)."""
+        return np.zeros(nbytes, dtype=np.uint8) if nbytes else b""
+
+    async def probe(self, peers: list[tuple[str, object]], nbytes: int = 1 << 20) -> dict[str, tuple[float, float]]:
+        """Time a tiny and a ``nbytes`` fetch from each peer worker on another node and report
+        them to the router (its light periodic probes). Returns {peer node: (rtt_s, seconds)}."""
+        out = {}
+        for node, handle in peers:
+            if node == self.node_id:
+                continue
+            try:
+                t0 = time.perf_counter()
+                await asyncio.wait_for(_await(handle.probe_payload.remote(0)), self.pull_timeout_s)
+                rtt = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                await asyncio.wait_for(_await(handle.probe_payload.remote(nbytes)), self.pull_timeout_s)
+                seconds = time.perf_counter() - t0
+            except Exception as e:  # noqa: BLE001 - a failed probe only loses a sample
+                log.debug("probe of %s failed: %r", node, e)
+                continue
+            out[node] = (rtt, seconds)
+            if self.router is not None:
+                self.router.report("report_probe", node, self.node_id, rtt, nbytes, seconds)
+        return out
 
     def set_faults(self, faults: list[str]) -> None:
         self.faults = set(faults)

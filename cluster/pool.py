@@ -92,6 +92,7 @@ class PoolConfig:
     # Route by the global index + router actor's TTFT model (pull / local / recompute). Off:
     # least-loaded routing and no index/router actors.
     cost_aware_routing: bool = True
+    probe_interval_s: float = 30.0  # light link probes between workers on different nodes (0: off)
 
 
 @dataclass
@@ -139,6 +140,9 @@ class WorkerPool:
         await self._apply(ScaleDecision(max(1, decision.target), decision.allocation))
         if autoscale:
             self._loop_task = asyncio.create_task(self._autoscale_loop())
+        if self.config.cost_aware_routing and self.config.probe_interval_s > 0:
+            task = asyncio.create_task(self._probe_loop())
+            self._tasks.add(task)
 
     async def wait_ready(self, timeout: float | None = None) -> bool:
         try:
@@ -240,6 +244,18 @@ class WorkerPool:
         decision = self.autoscaler.decide(len(self.active()), self.demand(), now)
         await self._apply(decision)
         return decision
+
+    async def _probe_loop(self) -> None:
+        """Every ``probe_interval_s`` each ready worker probes the others on other nodes, so the
+        router knows links before the first pull over them (fire and forget)."""
+        while True:
+            await asyncio.sleep(self.config.probe_interval_s)
+            ready = [w for w in self.workers.values() if w.routable]
+            peers = [(w.info["node_id"], w.actor) for w in ready]
+            if len({n for n, _ in peers}) < 2:
+                continue
+            for w in ready:
+                w.actor.probe.remote([p for p in peers if p[0] != w.info["node_id"]])
 
     async def _autoscale_loop(self) -> None:
         while True:

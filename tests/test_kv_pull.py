@@ -149,6 +149,19 @@ def test_router_pulls_to_idle_node_and_falls_back_on_failure(tiny_model):
         assert outs2[-1].route == "recomputed" and outs2[-1].pulled_tokens == 0
         assert ids(outs2) == reference(tiny_model, prompt2)
 
+        # light probes: B measures its link from A; the router learns it without counting pulls
+        key = f"{ia['node_id']}->{ib['node_id']}"
+        before = ray.get(router_actor.metrics.remote())["bytes_pulled"]
+        samples = ray.get(router_actor.estimates.remote())["links"].get(key, {}).get("samples", 0)
+        probed = ray.get(wb.probe.remote([(ia["node_id"], wa), (ib["node_id"], wb)], 1 << 17))
+        assert list(probed) == [ia["node_id"]]  # never itself
+        deadline = time.monotonic() + 30  # the worker's report is fire and forget
+        while ray.get(router_actor.estimates.remote())["links"][key]["samples"] == samples:
+            assert time.monotonic() < deadline, "the probe never reached the router"
+            time.sleep(0.05)
+        assert ray.get(router_actor.estimates.remote())["links"][key]["samples"] == samples + 1
+        assert ray.get(router_actor.metrics.remote())["bytes_pulled"] == before
+
         metrics = ray.get(router_actor.metrics.remote())
         assert metrics["bytes_pulled"] > 0 and metrics["pull_failures"] >= 1
         assert metrics["decisions"].get("pulled", 0) >= 1
