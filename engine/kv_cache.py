@@ -39,6 +39,11 @@ class KVBlocks:
         return self.k.nbytes + self.v.nbytes
 
 
+def token_slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
+    """Cache slots of positions [start, end) of a sequence with ``block_table``."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 class PagedKVCache:
     def __init__(
         self,

@@ -33,7 +33,8 @@ class KVManager:
     def held_blocks(self, chains: dict[str, list[BlockHash]], start: int = 0, end: int | None = None) -> list[Block]:
         """Cached blocks at prompt positions [start, end) under any of ``chains``, up to the first
         miss (a hit at position i under any readable domain is the same KV)."""
-        end = min((len(c) for c in chains.values()), default=0) if end is None else end
+        n = min((len(c) for c in chains.values()), default=0)
+        end = n if end is None else min(end, n)
         out: list[Block] = []
         for i in range(start, end):
             block = next((b for c in chains.values() if (b := self.pool.get_cached_block(c[i])) is not None), None)
@@ -50,7 +51,11 @@ class KVManager:
         if not self._caching(seq):
             return []
         req = seq.request
-        chains = prompt_chains(seq.tokens, self.block_size, self.model_id, (req.domain, *req.read_domains))
+        # A waiting request is matched again every step until admitted: hash its tokens once.
+        if seq.prefix_chains is None or seq.prefix_chains[0] != len(seq.tokens):
+            chains = prompt_chains(seq.tokens, self.block_size, self.model_id, (req.domain, *req.read_domains))
+            seq.prefix_chains = (len(seq.tokens), chains)
+        chains = seq.prefix_chains[1]
         seq.block_hashes = list(chains[req.domain])
         return self.held_blocks(chains)
 

@@ -9,7 +9,7 @@ import torch
 
 from engine.approx import ApproxConfig, ApproxReuse
 from engine.block_pool import BlockHash, BlockPool, prompt_chains
-from engine.kv_cache import KVBlocks, PagedKVCache
+from engine.kv_cache import KVBlocks, PagedKVCache, token_slots
 from engine.kv_manager import KVManager
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, build_batch
@@ -199,7 +199,7 @@ class LLMEngine:
             self.kv.admit(seq, hit)
             self.kv.grow(seq, n)
             table = [b.block_id for b in seq.blocks]
-            slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(hit_tokens, n)], dtype=torch.long)
+            slots = torch.tensor(token_slots(table, bs, hit_tokens, n), dtype=torch.long)
             for layer in range(self.cache.num_layers):
                 self.cache.write(layer, slots, res.kv.k[layer, hit_tokens:n].to(self.cache.dtype),
                                  res.kv.v[layer, hit_tokens:n].to(self.cache.dtype))
@@ -218,7 +218,7 @@ class LLMEngine:
         """Store an exactly prefilled approximate-mode prompt's KV in the slot pool."""
         bs, n = self.config.block_size, seq.num_prompt
         table = [b.block_id for b in seq.blocks]
-        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)], dtype=torch.long)
+        slots = torch.tensor(token_slots(table, bs, 0, n), dtype=torch.long)
         k = torch.stack([self.cache.k[layer].index_select(0, slots) for layer in range(self.cache.num_layers)])
         v = torch.stack([self.cache.v[layer].index_select(0, slots) for layer in range(self.cache.num_layers)])
         self.approx.store(seq.request, k.float(), v.float())
@@ -305,7 +305,7 @@ class LLMEngine:
     def export_prefix(self, chains: dict[str, list[BlockHash]], start: int, end: int) -> KVBlocks | None:
         """KV of prompt blocks [start, end) held here under any of ``chains`` (up to the first
         miss), or None. Only hashes the requester computed from its own tokens can match."""
-        blocks = self.kv.held_blocks(chains, start, min(end, _chain_len(chains)))
+        blocks = self.kv.held_blocks(chains, start, end)
         if not blocks:
             return None
         bs = self.config.block_size
@@ -369,9 +369,6 @@ class LLMEngine:
             },
         }
 
-
-def _chain_len(chains: dict[str, list[BlockHash]]) -> int:
-    return min((len(c) for c in chains.values()), default=0)
 
 
 def check_approx_fields(request: Request) -> None:

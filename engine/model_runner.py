@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.kv_cache import PagedKVCache
+from engine.kv_cache import PagedKVCache, token_slots
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +87,7 @@ def build_batch(
     for tokens, start, want_logits, table in chunks:
         q_start, q_len = len(ids), len(tokens)
         ctx_len = start + q_len
-        all_slots = [table[p // block_size] * block_size + p % block_size for p in range(ctx_len)]
+        all_slots = token_slots(table, block_size, 0, ctx_len)
         ids.extend(tokens)
         pos.extend(range(start, ctx_len))
         slots.extend(all_slots[start:])

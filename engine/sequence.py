@@ -110,6 +110,7 @@ class Sequence:
     approx_kv: bool = False  # KV built from a donor: never registered in the exact prefix cache
     approx_tried: bool = False
     num_registered: int = 0  # leading blocks already in the prefix cache
+    prefix_chains: tuple[int, dict] | None = None  # (token count, chain hashes per readable domain)
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

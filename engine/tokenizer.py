@@ -38,7 +38,7 @@ class IncrementalDetokenizer:
     trailing U+FFFD means a multi-byte character is still incomplete, so it is held back.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int] | None = None):
+    def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.prefix_offset = 0
