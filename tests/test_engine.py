@@ -221,10 +221,10 @@ def test_bfloat16_blocks_travel_as_bits():
     assert torch.equal(other.paged(0)[1][:2], cache.paged(0)[1][[1, 3]])
 
 
-@pytest.mark.parametrize("new,past", [(7, 3), (40, 24), (10, 50), (5, 0)])
+@pytest.mark.parametrize("new,past", [(7, 3), (40, 24), (16, 16), (10, 50), (5, 0)])
 def test_attention_with_context_equals_masked_sdpa(new, past):
-    """Both paths (split + log-sum-exp merge when the chunk is longer than its context, one masked
-    call otherwise) equal a plain masked SDPA with a bottom-right causal mask."""
+    """Both paths (split + log-sum-exp merge when the chunk is at least as long as its context, one masked
+    call with a cached additive mask otherwise) equal a plain masked SDPA with a bottom-right causal mask."""
     import torch.nn.functional as F
 
     from engine.model_runner import attend_with_context
