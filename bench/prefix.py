@@ -7,9 +7,16 @@ the cache) these requests run alone on the synchronous engine, one after the oth
   none     the same prompt with reuse "none" (full prefill);
   ideal    a prompt of only the suffix's length, reuse "none": prefilling just the suffix.
 ratio = reuse / none; ideal ratio = ideal / none (the brief's definition). The suffix-only prompt
-is a lower bound that no reuse can reach: with reuse the suffix still attends to every prefix
-token. The *marginal* ideal, (none - warm) / none, is the cost of the suffix given the prefix's KV,
-i.e. what perfect reuse costs; it is printed next to it. Target: ratio within 10% of the ideal.
+is a lower bound that no exact reuse can reach: with reuse the suffix still attends to every
+prefix token, work the suffix-only prompt skips. How much more work that is follows from the
+model's shape alone: ``flop floor`` = FLOPs(suffix after the cached prefix) / FLOPs(suffix-only
+prompt) (linear layers per token + 4·heads·head_dim per query-key pair per layer + one lm_head
+row). Any exact implementation, at best, runs that extra work as fast as the rest, so the
+*attainable* ideal is ideal × flop floor; the table prints both. (At 80% overlap of 1,024 tokens
+on SmolLM2-135M the floor is 1.26: the literal target, within 10% of the suffix-only prompt, is
+out of reach for exact reuse at 50% and 80%.) The *marginal* ideal, (none - warm) / none, is the
+cost of the suffix given the prefix's KV measured as a difference of two timings (noisy).
+Target: ratio within 10% of the ideal.
 Overlaps are rounded to whole 16-token blocks (the reuse granularity). Every repetition uses fresh
 random tokens; the order of the requests varies; the median of per-repetition ratios is reported.
 Wall-clock TTFT is the figure; process CPU time of the same calls is recorded too, because on a
@@ -54,8 +61,8 @@ class Bench:
         # ids from the ordinary-token range of the vocabulary (no special tokens)
         return tuple(self.rng.randrange(100, self.vocab) for _ in range(n))
 
-    def run(self, prompt: tuple[int, ...], reuse: str) -> tuple[float, float, int]:
-        """(TTFT s, process CPU s, cached prompt tokens) of one request run alone.
+    def run(self, prompt: tuple[int, ...], reuse: str) -> tuple[float, float, int, float]:
+        """(TTFT s, process CPU s, cached prompt tokens, TTFT - forward s) of one request run alone.
 
         A max_tokens=1 request finishes with its first token, so the CPU time of the whole call is
         the CPU time to first token (all threads).
@@ -65,7 +72,7 @@ class Bench:
         out = self.engine.generate([Request(f"b{self.n}", prompt, ONE, tenant="bench", reuse=reuse)])
         cpu = time.process_time() - c0
         last = out[f"b{self.n}"][-1]
-        return last.ttft_s, cpu, last.num_cached_tokens
+        return last.ttft_s, cpu, last.num_cached_tokens, last.ttft_s - last.prefill_s
 
     def measure(self, length: int, shared: int) -> dict:
         prefix, suffix = self.tokens(shared), self.tokens(length - shared)
@@ -73,39 +80,58 @@ class Bench:
         for kind in self.rng.sample(["reuse", "none", "ideal"], 3):
             if kind == "reuse":
                 if shared:
-                    out["warm"], out["warm_cpu"], _ = self.run(prefix, "exact")
-                out["reuse"], out["reuse_cpu"], out["cached"] = self.run(prefix + suffix, "exact")
+                    out["warm"], out["warm_cpu"], _, _ = self.run(prefix, "exact")
+                out["reuse"], out["reuse_cpu"], out["cached"], out["reuse_overhead"] = self.run(prefix + suffix, "exact")
             elif kind == "none":
-                out["none"], out["none_cpu"], _ = self.run(prefix + suffix, "none")
+                out["none"], out["none_cpu"], _, _ = self.run(prefix + suffix, "none")
             else:
-                out["ideal"], out["ideal_cpu"], _ = self.run(suffix, "none")
+                out["ideal"], out["ideal_cpu"], _, _ = self.run(suffix, "none")
         return out
 
 
-def summarize(f: float, length: int, shared: int, s: list[dict], cpu: bool) -> dict:
+def prefill_flops(cfg, new: int, cached: int) -> float:
+    """Multiply-add FLOPs to prefill ``new`` tokens after ``cached`` ones (logits of the last only)."""
+    d, heads = cfg.hidden_size, cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or d // heads
+    kv = cfg.num_key_value_heads * head_dim
+    per_token_layer = 2 * (d * heads * head_dim + 2 * d * kv + heads * head_dim * d + 3 * d * cfg.intermediate_size)
+    pairs = new * cached + new * (new + 1) // 2  # query-key pairs a causal prefill must compute
+    per_pair_layer = 4 * heads * head_dim  # q.k and p.v
+    return cfg.num_hidden_layers * (new * per_token_layer + pairs * per_pair_layer) + 2 * d * cfg.vocab_size
+
+
+def summarize(f: float, length: int, shared: int, s: list[dict], cpu: bool, cfg=None) -> dict:
     k = "_cpu" if cpu else ""
     med = lambda key: statistics.median(x[key + k] for x in s)  # noqa: E731
     # per-repetition ratios (each from measurements taken moments apart), then the median
     ratio = statistics.median(x["reuse" + k] / x["none" + k] for x in s)
     ideal = statistics.median(x["ideal" + k] / x["none" + k] for x in s)
     marginal = statistics.median((x["none" + k] - x["warm" + k]) / x["none" + k] for x in s)
+    cached = min(x["cached"] for x in s)
+    floor = prefill_flops(cfg, length - cached, cached) / prefill_flops(cfg, length - shared, 0) if cfg else 1.0
     return {"overlap": f, "length": length, "shared_tokens": shared, "cached_tokens": min(x["cached"] for x in s),
             "none_ms": med("none") * 1e3, "reuse_ms": med("reuse") * 1e3, "ideal_ms": med("ideal") * 1e3,
             "prefix_only_ms": med("warm") * 1e3, "ratio": ratio, "ideal_ratio": ideal,
             "off_ideal": ratio / ideal - 1, "within_10pct": abs(ratio / ideal - 1) <= 0.10,
             "marginal_ideal_ratio": marginal, "off_marginal": ratio / marginal - 1,
-            "within_10pct_marginal": abs(ratio / marginal - 1) <= 0.10}
+            "within_10pct_marginal": abs(ratio / marginal - 1) <= 0.10,
+            "flop_floor": floor, "attainable_ideal_ratio": ideal * floor, "off_attainable": ratio / (ideal * floor) - 1,
+            "within_10pct_attainable": abs(ratio / (ideal * floor) - 1) <= 0.10,
+            "engine_overhead_ms": statistics.median(x.get("reuse_overhead", 0.0) for x in s) * 1e3}
 
 
 def print_table(title: str, rows: list[dict]) -> None:
     yes = lambda ok: "yes" if ok else "NO"  # noqa: E731
     print(f"\n{title}")
     print(f"{'overlap':>8s} {'cached':>7s} {'none ms':>8s} {'reuse ms':>9s} {'suffix ms':>10s} {'prefix ms':>10s}"
-          f" | {'ratio':>6s} {'ideal':>6s} {'off':>7s} {'<=10%':>5s} | {'marginal':>8s} {'off':>7s} {'<=10%':>5s}")
+          f" | {'ratio':>6s} {'ideal':>6s} {'off':>7s} {'<=10%':>5s} | {'floor':>5s} {'attain':>6s} {'off':>7s} {'<=10%':>5s}"
+          f" | {'marginal':>8s} {'off':>7s} {'<=10%':>5s}")
     for r in rows:
         print(f"{r['overlap'] * 100:7.0f}% {r['cached_tokens']:7d} {r['none_ms']:8.1f} {r['reuse_ms']:9.1f}"
               f" {r['ideal_ms']:10.1f} {r['prefix_only_ms']:10.1f} | {r['ratio']:6.3f} {r['ideal_ratio']:6.3f}"
-              f" {r['off_ideal'] * 100:+6.1f}% {yes(r['within_10pct']):>5s} | {r['marginal_ideal_ratio']:8.3f}"
+              f" {r['off_ideal'] * 100:+6.1f}% {yes(r['within_10pct']):>5s} | {r['flop_floor']:5.3f}"
+              f" {r['attainable_ideal_ratio']:6.3f} {r['off_attainable'] * 100:+6.1f}% {yes(r['within_10pct_attainable']):>5s}"
+              f" | {r['marginal_ideal_ratio']:8.3f}"
               f" {r['off_marginal'] * 100:+6.1f}% {yes(r['within_10pct_marginal']):>5s}")
 
 
@@ -121,6 +147,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.plot(x, [r["ideal_ratio"] for r in rows], "s--", label="ideal: suffix-only prompt / none")
     ax.fill_between(x, [r["ideal_ratio"] * 0.9 for r in rows], [r["ideal_ratio"] * 1.1 for r in rows],
                     alpha=0.15, label="ideal ±10%")
+    ax.plot(x, [r["attainable_ideal_ratio"] for r in rows], "d-.", label="attainable: ideal x FLOP floor")
     ax.plot(x, [r["marginal_ideal_ratio"] for r in rows], "^:", label="marginal: (none - prefix only) / none")
     ax.set_xlabel("shared prefix (% of prompt)")
     ax.set_ylabel("TTFT relative to no reuse")
@@ -164,19 +191,22 @@ def main():
     wall = time.perf_counter() - t0
     machine["loadavg_end"] = os.getloadavg()
 
-    rows = [summarize(f, args.length, shared[f], samples[f], cpu=False) for f in args.overlaps]
-    cpu_rows = [summarize(f, args.length, shared[f], samples[f], cpu=True) for f in args.overlaps]
+    cfg = loaded.model.config
+    rows = [summarize(f, args.length, shared[f], samples[f], cpu=False, cfg=cfg) for f in args.overlaps]
+    cpu_rows = [summarize(f, args.length, shared[f], samples[f], cpu=True, cfg=cfg) for f in args.overlaps]
     for r, f in zip(rows, args.overlaps):
         r["samples"] = samples[f]
     head = (f"{args.length}-token prompts, median of {args.reps}; ratio = TTFT(reuse) / TTFT(none); "
-            "ideal = TTFT(suffix-only prompt) / TTFT(none); marginal = (TTFT(none) - TTFT(prefix only)) / TTFT(none)")
+            "ideal = TTFT(suffix-only prompt) / TTFT(none); floor = FLOPs(suffix after prefix) / FLOPs(suffix only); "
+            "attain = ideal x floor; marginal = (TTFT(none) - TTFT(prefix only)) / TTFT(none)")
     print_table("wall-clock TTFT: " + head, rows)
     print_table("process CPU time of the same requests", cpu_rows)
     print(f"\nmeasured in {wall:.0f}s; load average at start {machine['loadavg_start']}, at end {machine['loadavg_end']}")
     out = {"machine": machine, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
            "block_size": BLOCK, "max_num_batched_tokens": budget, "rows": rows, "cpu_rows": cpu_rows,
            "all_within_10pct": all(r["within_10pct"] for r in rows),
-           "all_within_10pct_marginal": all(r["within_10pct_marginal"] for r in rows)}
+           "all_within_10pct_marginal": all(r["within_10pct_marginal"] for r in rows),
+           "all_within_10pct_attainable": all(r["within_10pct_attainable"] for r in rows)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2))
     png = args.out.with_suffix(".png")
