@@ -13,7 +13,9 @@ Estimates are learned online:
   * ``PrefillModel``: per worker, time = a + b*n + c*n*(n + 2*cached) (linear and quadratic terms in
     tokens; the quadratic feature is the attention work, ``n**2`` without a cached prefix), a
     non-negative least-squares fit over a bounded window, ridge-pulled toward a prior so that it is
-    sane before (and shortly after) the first measurements.
+    sane before (and shortly after) the first measurements. A worker's own fit is pulled toward
+    the pooled fit of all workers (partial pooling), not toward the fixed prior: a new worker
+    with a few small prompts measured predicts large ones like its peers, not like the prior.
   * ``LinkModel``: per (src node, dst node), EWMA of seconds-per-byte (so the mean is a harmonic
     mean of rates) from real transfers, and EWMA of RTT from small transfers / probes.
   * queue wait: from each worker's published ``WorkerLoad``.
@@ -91,6 +93,13 @@ class PrefillModel:
     @property
     def num_samples(self) -> int:
         return len(self._samples)
+
+    def center_on(self, coefficients: tuple[float, float, float]) -> None:
+        """Pull the fit toward ``coefficients`` (e.g. the pooled fit) instead of the prior's."""
+        a, b, c = coefficients
+        if (a, b, c) != (self.prior.a, self.prior.b, self.prior.c):
+            self.prior = PrefillPrior(a, b, c, self.prior.weight)
+            self._theta = None
 
     def observe(self, new_tokens: int, seconds: float, cached_tokens: int = 0) -> None:
         if new_tokens <= 0 or not math.isfinite(seconds) or seconds < 0:
@@ -286,7 +295,7 @@ class CostConfig:
     decode_step_s: float = 0.0  # extra wait per decoding sequence on the target
     prefill_prior: PrefillPrior = field(default_factory=PrefillPrior)
     link_prior: LinkPrior = field(default_factory=LinkPrior)
-    min_samples_own_fit: int = 3  # below this a worker borrows the pooled fit of all workers
+    min_samples_own_fit: int = 1  # below this a worker uses the pooled fit of all workers
     window: int = 128
 
 
@@ -321,8 +330,10 @@ class CostModel:
         self.loads[worker] = load
 
     def prefill_model(self, worker: WorkerId) -> PrefillModel:
+        """The worker's own fit, shrunk toward the pooled fit; the pooled fit until it has samples."""
         own = self._prefill.get(worker)
         if own is not None and own.num_samples >= self.config.min_samples_own_fit:
+            own.center_on(self._pooled.coefficients)
             return own
         return self._pooled
 

@@ -160,6 +160,33 @@ def test_prefill_window_forgets_old_behaviour():
     assert m.predict(1024) == pytest.approx(0.2, rel=0.1)
 
 
+def test_new_worker_fit_is_pulled_toward_its_peers_not_the_prior():
+    """Partial pooling: a worker that has only run small prompts predicts a large one like its
+    peers measured (pooled fit), not like the fixed prior (which is 5x too slow here)."""
+    truth = lambda n: 0.01 + 0.1 * n / 1024  # noqa: E731 - every worker runs at this speed
+    cost = CostModel(CostConfig(prefill_prior=PrefillPrior(a=0.02, b=0.5, c=0.05)))
+    rng = random.Random(3)
+    for _ in range(40):  # the established worker A sees every size
+        n = rng.randint(64, 4096)
+        cost.observe_prefill("A", n, truth(n))
+    for n in (32, 48, 64):  # the new worker B: three short prompts
+        cost.observe_prefill("B", n, truth(n))
+    assert cost.prefill_s("B", 4096) == pytest.approx(truth(4096), rel=0.15)
+    assert cost.prefill_s("A", 4096) == pytest.approx(truth(4096), rel=0.05)
+
+
+def test_own_fit_still_separates_a_slower_worker():
+    truth = {"A": lambda n: 0.01 + 0.1 * n / 1024, "B": lambda n: 0.01 + 0.3 * n / 1024}
+    cost = CostModel()
+    rng = random.Random(4)
+    for _ in range(30):
+        for w in ("A", "B"):
+            n = rng.randint(64, 4096)
+            cost.observe_prefill(w, n, truth[w](n))
+    for w in ("A", "B"):
+        assert cost.prefill_s(w, 2048) == pytest.approx(truth[w](2048), rel=0.1)
+
+
 def test_link_ewma_converges_and_separates_rtt():
     links = LinkModel(LinkPrior(alpha=0.3))
     assert links.estimate("x", "y").samples == 0
