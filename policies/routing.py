@@ -16,8 +16,12 @@ Estimates are learned online:
     sane before (and shortly after) the first measurements. A worker's own fit is pulled toward
     the pooled fit of all workers (partial pooling), not toward the fixed prior: a new worker
     with a few small prompts measured predicts large ones like its peers, not like the prior.
-  * ``LinkModel``: per (src node, dst node), EWMA of seconds-per-byte (so the mean is a harmonic
-    mean of rates) from real transfers, and EWMA of RTT from small transfers / probes.
+  * ``LinkModel``: per (src node, dst node), EWMA of log seconds-per-byte (a geometric mean of
+    rates: a link that gets 40x faster is believed as quickly as one that gets 40x slower; a
+    plain mean of seconds-per-byte lets one slow sample dominate for many transfers) with a
+    weight that grows from ``alpha`` for samples within ``noise_factor`` of the estimate to
+    ``jump_alpha`` for samples off by ``jump_factor`` or more (a re-shaped link, not noise),
+    from real transfers, and EWMA of RTT from small transfers / probes.
   * queue wait: from each worker's published ``WorkerLoad``.
 
 Invariants: predictions are finite and >= 0; prefill predictions never decrease with more new
@@ -169,6 +173,9 @@ class LinkPrior:
     local_bandwidth_Bps: float = 4e9
     local_rtt_s: float = 2e-4
     alpha: float = 0.3  # EWMA weight of a new sample
+    noise_factor: float = 1.5  # bandwidth samples within this factor of the estimate weigh alpha;
+    jump_factor: float = 4.0  # samples this many times off (or more) weigh jump_alpha: the link
+    jump_alpha: float = 0.7  # changed (the weight grows linearly in log deviation in between)
     probe_max_bytes: int = 64 * 1024  # transfers up to this size only update the RTT
 
 
@@ -192,7 +199,7 @@ class LinkModel:
 
     def __init__(self, prior: LinkPrior | None = None):
         self.prior = prior or LinkPrior()
-        self._spb: dict[tuple[NodeId, NodeId], tuple[float, int]] = {}  # seconds per byte, count
+        self._spb: dict[tuple[NodeId, NodeId], tuple[float, int]] = {}  # log seconds per byte, count
         self._rtt: dict[tuple[NodeId, NodeId], tuple[float, int]] = {}
 
     def _ewma(self, table: dict, key, sample: float) -> None:
@@ -211,14 +218,22 @@ class LinkModel:
             self.observe_rtt(src, dst, seconds)
             return
         rtt = self.estimate(src, dst).rtt_s
-        self._ewma(self._spb, (src, dst), max(seconds - rtt, seconds / 2) / nbytes)
+        log_spb = math.log(max(seconds - rtt, seconds / 2) / nbytes)
+        old = self._spb.get((src, dst))
+        p = self.prior
+        a = p.alpha
+        if old is not None:
+            lo, hi = math.log(p.noise_factor), math.log(p.jump_factor)
+            t = min(1.0, max(0.0, (abs(log_spb - old[0]) - lo) / (hi - lo)))
+            a = p.alpha + t * (p.jump_alpha - p.alpha)
+        self._spb[(src, dst)] = (log_spb, 1) if old is None else ((1 - a) * old[0] + a * log_spb, old[1] + 1)
 
     def estimate(self, src: NodeId, dst: NodeId) -> LinkEstimate:
         same = src == dst
         spb = self._spb.get((src, dst)) or self._spb.get((dst, src))
         rtt = self._rtt.get((src, dst)) or self._rtt.get((dst, src))
         p = self.prior
-        bw = 1.0 / spb[0] if spb and spb[0] > 0 else (p.local_bandwidth_Bps if same else p.bandwidth_Bps)
+        bw = math.exp(-spb[0]) if spb else (p.local_bandwidth_Bps if same else p.bandwidth_Bps)
         return LinkEstimate(bw, rtt[0] if rtt else (p.local_rtt_s if same else p.rtt_s), spb[1] if spb else 0)
 
     def snapshot(self) -> dict[str, dict[str, float]]:

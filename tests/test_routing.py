@@ -187,6 +187,31 @@ def test_own_fit_still_separates_a_slower_worker():
         assert cost.prefill_s(w, 2048) == pytest.approx(truth[w](2048), rel=0.1)
 
 
+@pytest.mark.parametrize("before,after", [(3.125e6, 125e6), (125e6, 3.125e6)])
+def test_link_estimate_follows_a_reshaped_link_both_ways(before, after):
+    """25 Mbit/s <-> 1 Gbit/s: two transfers after the change put the estimate within 2x of the
+    new rate, in either direction (a mean of seconds per byte needs ~10 when the link speeds up)."""
+    links = LinkModel(LinkPrior(alpha=0.3))
+    nbytes = 32 << 20
+    for _ in range(10):
+        links.observe_transfer("x", "y", nbytes, nbytes / before)
+    assert links.estimate("x", "y").bandwidth_Bps == pytest.approx(before, rel=0.01)
+    for _ in range(2):
+        links.observe_transfer("x", "y", nbytes, nbytes / after)
+    assert after / 2 <= links.estimate("x", "y").bandwidth_Bps <= after * 2
+
+
+def test_link_estimate_is_not_thrown_by_ordinary_noise():
+    links = LinkModel(LinkPrior(alpha=0.3))
+    nbytes = 32 << 20
+    for _ in range(10):
+        links.observe_transfer("x", "y", nbytes, nbytes / 12.5e6)
+    links.observe_transfer("x", "y", nbytes, nbytes / 12.5e6 * 1.4)  # one slower transfer: noise
+    assert links.estimate("x", "y").bandwidth_Bps == pytest.approx(12.5e6 * 1.4 ** -0.3, rel=0.01)
+    links.observe_transfer("x", "y", nbytes, nbytes / 12.5e6 * 2)  # one at half speed
+    assert links.estimate("x", "y").bandwidth_Bps >= 12.5e6 / 1.5
+
+
 def test_link_ewma_converges_and_separates_rtt():
     links = LinkModel(LinkPrior(alpha=0.3))
     assert links.estimate("x", "y").samples == 0
