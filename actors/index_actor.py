@@ -9,6 +9,10 @@ Dead workers: a snapshot batch carries the worker's actor handle; a liveness loo
 handle and drops every entry of a worker whose actor died, and drops workers that have not
 published for ``stale_s`` seconds (covers workers without a handle, e.g. in tests).
 
+Template slots (approximate-reuse donors) travel in the same batches (see
+``actors.index_publisher``) and follow the same rules: applied only with an accepted batch,
+replaced by a worker's snapshot, dropped with a dead worker.
+
 Callers never block on the index: ``lookup_with_timeout`` returns None on timeout or error, and
 the caller routes without cache information. Answers are hints, up to about one publish interval
 stale (a holder may have just evicted a block): a pull that fails falls back to recompute.
@@ -25,7 +29,7 @@ from typing import Mapping, Sequence
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
 
-from actors.index_publisher import decode_batch
+from actors.index_publisher import SlotUpdate, decode_message
 from actors.prefix_index import PrefixIndex
 from actors.slot_registry import SlotKey, SlotRegistry
 
@@ -57,7 +61,7 @@ class IndexActor:
         """Apply one msgpack batch. ``ok`` False: resend a snapshot (unknown worker or a gap)."""
         self._ensure_liveness()
         try:
-            batch = decode_batch(payload)
+            batch, slots = decode_message(payload)
         except ValueError as e:
             self.counters["malformed"] += 1
             log.warning("dropping malformed index batch: %s", e)
@@ -66,10 +70,21 @@ class IndexActor:
             log.warning("worker %s publishes block size %d, index uses %d", batch.worker_id,
                         batch.block_size, self.index.block_size)
         ok = self.index.apply_batch(batch)
+        if ok:
+            self._apply_slots(batch.worker_id, slots)
         if handle is not None and ok:
             self.handles[batch.worker_id] = handle
         self.counters["batches" if ok else "refused"] += 1
         return {"ok": ok, "epoch": self.epoch}
+
+    def _apply_slots(self, worker_id: str, update: SlotUpdate) -> None:
+        if update.snapshot is not None:
+            self.slots.replace_worker(worker_id, update.snapshot)
+        for added, key, slot_id, num_tokens, meta in update.events:
+            if added:
+                self.slots.register(key, worker_id, slot_id, num_tokens, meta)
+            else:
+                self.slots.remove(key, worker_id, slot_id)
 
     async def remove_worker(self, worker_id: str) -> int:
         self.handles.pop(worker_id, None)
@@ -128,6 +143,14 @@ class IndexActor:
                           slot_id: str | None = None) -> int:
         return self.slots.remove(SlotKey(template_id, slot_class, domain), worker_id, slot_id)
 
+    async def lookup_template(self, template_id: str, domains: Sequence[str]) -> list[dict]:
+        """Every worker's slots of the template (any slot class) under the readable domains,
+        newest first: the router picks donors to pull from these."""
+        self.counters["lookups"] += 1
+        return [{"worker_id": e.worker_id, "slot_id": e.slot_id, "slot_class": k.slot_class, "domain": k.domain,
+                 "num_tokens": e.num_tokens, "meta": dict(e.meta), "last_access": e.last_access}
+                for k, e in self.slots.lookup_template(template_id, domains)]
+
 
 async def _ref(ref):
     return await ref
@@ -149,6 +172,20 @@ def get_index():
     try:
         return ray.get_actor(INDEX_NAME, namespace=NAMESPACE)
     except ValueError:
+        return None
+
+
+async def lookup_template_with_timeout(index, template_id: str, domains: Sequence[str],
+                                       timeout_s: float = 0.05) -> list[dict] | None:
+    """``IndexActor.lookup_template``; None on timeout or any failure (route without donors)."""
+    if index is None:
+        return None
+    try:
+        return await asyncio.wait_for(_ref(index.lookup_template.remote(template_id, list(domains))), timeout_s)
+    except (asyncio.TimeoutError, GetTimeoutError, ActorUnavailableError, ray.exceptions.RayError):
+        return None
+    except Exception:  # never let slot information break routing
+        log.exception("index slot lookup failed")
         return None
 
 

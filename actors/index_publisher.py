@@ -5,7 +5,14 @@ Wire format (msgpack map, version 1)::
     {"v": 1, "w": worker_id, "s": seq, "bs": block_size,
      "d": [domain, ...],                     # domain table; events refer to it by position
      "e": [[kind, hash, parent|nil, domain_ix|nil], ...],   # kind 0 = stored, 1 = removed
-     "snap": [[hash, parent|nil, domain_ix|nil], ...] | nil}  # full holdings, replaces all
+     "snap": [[hash, parent|nil, domain_ix|nil], ...] | nil,  # full holdings, replaces all
+     "se": [[kind, template_id, slot_class, domain_ix, slot_id, num_tokens, tenant], ...],
+     "ss": [[template_id, slot_class, domain_ix, slot_id, num_tokens, tenant], ...] | nil}
+
+``se``/``ss`` (optional: absent = none) carry the worker's template slots (approximate-reuse
+donors, ``engine.slot_pool.SlotEvent``; kind 0 = added, 1 = removed) for the index's
+``SlotRegistry``, in the same sequence as the blocks: a slot snapshot goes with every block
+snapshot, so a restarted index or a lost batch re-registers the worker's slots too.
 
 One actor call per flush interval (not per block or request). A batch the index cannot place in
 sequence (index restarted, a call was lost) makes the next flush send a snapshot instead of
@@ -20,23 +27,52 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Sequence, Union
 
 import msgpack
 
 from actors.prefix_index import REMOVED, STORED, Batch
+from actors.slot_registry import SlotKey
 from engine.block_pool import BlockEvent
 
 log = logging.getLogger(__name__)
 WIRE_VERSION = 1
+SLOT_ADDED, SLOT_REMOVED = 0, 1
 
 Snapshot = list[tuple[bytes, "bytes | None", "str | None"]]
-Drain = Callable[[bool], Awaitable[tuple[list[BlockEvent], "Snapshot | None"]]]
+# engine.slot_pool.SlotEvent (duck-typed here: the index actor need not import torch)
+SlotEvents = Sequence[object]
 Send = Callable[[bytes, bool], Awaitable[dict]]
 
 
+@dataclass(frozen=True)
+class Drained:
+    """What one engine-thread drain returns: block events, block snapshot (when asked), slot
+    events, slot snapshot (when asked; None from a worker without a slot pool)."""
+
+    events: Sequence[BlockEvent] = ()
+    snapshot: Snapshot | None = None
+    slot_events: SlotEvents = ()
+    slot_snapshot: SlotEvents | None = None
+
+
+# drain(full) -> Drained, or the (events, snapshot) pair of a worker without slots
+Drain = Callable[[bool], Awaitable[Union[Drained, tuple]]]
+
+
+@dataclass(frozen=True)
+class SlotUpdate:
+    """The slot part of a decoded batch: ordered (added?, key, slot id, tokens, meta) events and
+    an optional full list of (key, slot id, tokens, meta) replacing the worker's slots."""
+
+    events: tuple[tuple[bool, SlotKey, str, int, dict], ...] = ()
+    snapshot: tuple[tuple[SlotKey, str, int, dict], ...] | None = None
+
+
 def encode_batch(worker_id: str, seq: int, block_size: int, events: Sequence[BlockEvent],
-                 snapshot: Snapshot | None = None) -> bytes:
+                 snapshot: Snapshot | None = None, slot_events: SlotEvents = (),
+                 slot_snapshot: SlotEvents | None = None) -> bytes:
     domains: dict[str | None, int | None] = {None: None}
 
     def ix(d):
@@ -44,15 +80,22 @@ def encode_batch(worker_id: str, seq: int, block_size: int, events: Sequence[Blo
             domains[d] = len(domains) - 1
         return domains[d]
 
+    def slot(e):
+        return [e.template_id, e.slot_class, ix(e.domain), e.slot_id, int(e.num_tokens), e.tenant]
+
     ev = [[STORED if e.kind == "stored" else REMOVED, e.block_hash, e.parent_hash, ix(e.domain)] for e in events]
     snap = None if snapshot is None else [[h, p, ix(d)] for h, p, d in snapshot]
-    table = [d for d in domains if d is not None]
-    return msgpack.packb({"v": WIRE_VERSION, "w": worker_id, "s": seq, "bs": block_size,
-                          "d": table, "e": ev, "snap": snap}, use_bin_type=True)
+    msg = {"v": WIRE_VERSION, "w": worker_id, "s": seq, "bs": block_size, "e": ev, "snap": snap}
+    if slot_events:
+        msg["se"] = [[SLOT_ADDED if e.kind == "added" else SLOT_REMOVED, *slot(e)] for e in slot_events]
+    if slot_snapshot is not None:
+        msg["ss"] = [slot(e) for e in slot_snapshot]
+    msg["d"] = [d for d in domains if d is not None]
+    return msgpack.packb(msg, use_bin_type=True)
 
 
-def decode_batch(payload: bytes) -> Batch:
-    """Parse a batch; raises ValueError on anything malformed."""
+def decode_message(payload: bytes) -> tuple[Batch, SlotUpdate]:
+    """Parse a batch with its slot part; raises ValueError on anything malformed."""
     try:
         m = msgpack.unpackb(payload, raw=False)
         if m.get("v") != WIRE_VERSION:
@@ -65,11 +108,25 @@ def decode_batch(payload: bytes) -> Batch:
         events = tuple((int(k), bytes(h), p, dom(d)) for k, h, p, d in m["e"])
         snap = m["snap"]
         snapshot = None if snap is None else tuple((bytes(h), p, dom(d)) for h, p, d in snap)
-        return Batch(str(m["w"]), int(m["s"]), int(m["bs"]), events, snapshot)
+
+        def slot(t, c, d, sid, n, tenant):
+            if not (isinstance(t, str) and isinstance(c, str) and isinstance(dom(d), str) and isinstance(sid, str)):
+                raise ValueError("slot fields must be strings")
+            return SlotKey(t, c, dom(d)), sid, int(n), {"tenant": str(tenant)}
+
+        slot_events = tuple((int(k) == SLOT_ADDED, *slot(*rest)) for k, *rest in m.get("se", ()))
+        ss = m.get("ss")
+        slots = SlotUpdate(slot_events, None if ss is None else tuple(slot(*x) for x in ss))
+        return Batch(str(m["w"]), int(m["s"]), int(m["bs"]), events, snapshot), slots
     except ValueError:
         raise
     except Exception as e:  # msgpack errors, wrong shapes
         raise ValueError(f"malformed index batch: {e!r}") from e
+
+
+def decode_batch(payload: bytes) -> Batch:
+    """Parse a batch's block part; raises ValueError on anything malformed."""
+    return decode_message(payload)[0]
 
 
 class IndexPublisher:
@@ -96,11 +153,15 @@ class IndexPublisher:
     async def flush(self, force: bool = False) -> bool:
         """Send what is pending (or a heartbeat when due). False if the send failed."""
         full = self.need_snapshot
-        events, snapshot = await self.drain(full)
+        d = await self.drain(full)
+        d = d if isinstance(d, Drained) else Drained(*d)
+        events, snapshot = d.events, d.snapshot
         now = time.monotonic()
-        if not force and not events and snapshot is None and now - self.last_sent < self.heartbeat_s:
+        if not force and not events and not d.slot_events and snapshot is None \
+                and now - self.last_sent < self.heartbeat_s:
             return True
-        payload = encode_batch(self.worker_id, self.seq, self.block_size, events, snapshot)
+        payload = encode_batch(self.worker_id, self.seq, self.block_size, events, snapshot,
+                               d.slot_events, d.slot_snapshot)
         self.seq += 1
         self.last_sent = now
         try:
@@ -113,7 +174,7 @@ class IndexPublisher:
         self.epoch = reply.get("epoch", self.epoch)
         self.need_snapshot = not reply.get("ok", False)
         self.stats["batches"] += 1
-        self.stats["events"] += len(events)
+        self.stats["events"] += len(events) + len(d.slot_events)
         self.stats["snapshots"] += snapshot is not None
         self.stats["bytes"] += len(payload)
         return not self.need_snapshot

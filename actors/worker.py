@@ -37,6 +37,19 @@ class Pull:
     end_block: int
 
 
+@dataclass(frozen=True)
+class DonorPull:
+    """A template donor (slot-pool entry ``slot_id`` of ``slot_class``) that ``holder`` (a Worker
+    actor handle, id ``holder_id``) registered in the index; the target pulls one that fits."""
+
+    holder: object
+    holder_id: str
+    slot_id: str
+    slot_class: str
+    domain: str
+    num_tokens: int = 0
+
+
 class Worker:
     def __init__(self, worker_id: str, config: EngineConfig, pull_timeout_s: float = 30.0):
         self.worker_id = worker_id
@@ -46,6 +59,7 @@ class Worker:
         self.pull_timeout_s = pull_timeout_s
         self.faults: set[str] = set()  # test hook: "export" makes export_prefix fail
         self.router = None  # RouterClient when a router actor exists (reports measurements)
+        self.donor_stats = {"pulled": 0, "failed": 0, "skipped": 0}
 
     def ready(self) -> dict:
         e = self.engine.engine
@@ -55,13 +69,20 @@ class Worker:
                                                               e.cache.head_dim, e.cache.dtype),
                 "node_id": self.node_id, "pid": os.getpid()}
 
-    async def generate(self, request: Request, pulls: tuple[Pull, ...] = ()):
+    async def generate(self, request: Request, pulls: tuple[Pull, ...] = (), donor_pulls: tuple[DonorPull, ...] = ()):
         """Stream outputs. ``pulls`` (from the router) name holders of the prompt's prefix: their
-        KV is fetched first; any failure just leaves those blocks to be recomputed."""
-        local, pulled = await self._pull(request, pulls)
+        KV is fetched first; any failure just leaves those blocks to be recomputed.
+        ``donor_pulls`` name template donors on other workers (approximate reuse): one that fits
+        the request's slot class is fetched first; any failure leaves the request to run as it
+        would have (exactly, unless a local donor fits). A request whose approximate KV came
+        from a pulled donor reports route "pulled" with those tokens in ``pulled_tokens``."""
+        (local, pulled), donor = await asyncio.gather(self._pull(request, pulls),
+                                                      self._pull_donor(request, donor_pulls))
         first = True
         async for out in self.engine.generate(request):
             gained = max(0, min(pulled, out.num_cached_tokens - local))
+            if donor and out.num_approx_tokens:
+                gained += out.num_approx_tokens
             route = "pulled" if gained else ("local" if out.num_cached_tokens else "recomputed")
             out = replace(out, route=route, pulled_tokens=gained)
             if first and out.prefill_s is not None and self.router is not None:
@@ -70,8 +91,47 @@ class Worker:
             first = False
             yield out
 
-    async def generate_all(self, request: Request, pulls: tuple[Pull, ...] = ()) -> list[RequestOutput]:
-        return [out async for out in self.generate(request, pulls)]
+    async def generate_all(self, request: Request, pulls: tuple[Pull, ...] = (),
+                           donor_pulls: tuple[DonorPull, ...] = ()) -> list[RequestOutput]:
+        return [out async for out in self.generate(request, pulls, donor_pulls)]
+
+    # -- approximate-reuse donors across workers (issue 6) ---------------------------------
+    async def export_donor(self, slot_id: str):
+        """A slot-pool donor as ``DonorPayload`` (object store), None if no longer held."""
+        if "export_donor" in self.faults:
+            raise RuntimeError("simulated donor export failure")
+        return await self.engine.call(lambda e: e.export_donor(slot_id))
+
+    async def _pull_donor(self, request: Request, donor_pulls: tuple[DonorPull, ...]) -> bool:
+        """Import the first offered donor of the slot class the request needs (none when a local
+        donor fits); True if one was stored. Never raises: failures are logged and skipped."""
+        if not donor_pulls:
+            return False
+        try:
+            want = await self.engine.call(lambda e: e.needed_slot_class(request))
+        except Exception as e:  # noqa: BLE001 - e.g. a malformed request: generate reports it
+            log.debug("donor need of %s failed: %r", request.request_id, e)
+            return False
+        offers = [p for p in donor_pulls if p.slot_class == want and p.holder_id != self.worker_id]
+        if want is None or not offers:
+            self.donor_stats["skipped"] += 1
+            return False
+        readable = (request.domain, *request.read_domains)
+        for p in offers[:2]:  # newest first; a second try if the first holder evicted it or failed
+            t0 = time.perf_counter()
+            try:
+                payload = await asyncio.wait_for(_await(p.holder.export_donor.remote(p.slot_id)), self.pull_timeout_s)
+                if payload is None:
+                    continue
+                if await self.engine.call(lambda e: e.import_donor(payload, readable)):
+                    self.donor_stats["pulled"] += 1
+                    log.info("pulled donor %s (%d tokens) from %s in %.3fs", p.slot_id[:12], len(payload.token_ids),
+                             p.holder_id, time.perf_counter() - t0)
+                    return True
+            except Exception as e:  # noqa: BLE001 - any failure: run without this donor
+                log.warning("donor pull of %s from %s failed: %r", p.slot_id[:12], p.holder_id, e)
+            self.donor_stats["failed"] += 1
+        return False
 
     # -- KV pulls (issue 7) ----------------------------------------------------------------
     async def export_prefix(self, chains: dict, start_block: int, end_block: int) -> KVBlocks | None:
@@ -157,7 +217,7 @@ class Worker:
         await self.engine.abort(request_id)
 
     async def stats(self) -> dict:
-        return await self.engine.call(lambda e: e.stats())
+        return {**await self.engine.call(lambda e: e.stats()), "donor_pulls": dict(self.donor_stats)}
 
     # -- global prefix index (issue 4) -----------------------------------------------------
     async def snapshot(self) -> list[tuple[bytes, bytes | None, str | None]]:
@@ -165,17 +225,26 @@ class Worker:
         return await self.engine.call(lambda e: e.pool.cached_hashes())
 
     async def start_index_publisher(self, interval_s: float = 0.1, heartbeat_s: float = 1.0) -> bool:
-        """Publish block events to the cluster's index actor in batches (idempotent)."""
+        """Publish block and template-slot events to the cluster's index actor in batches
+        (idempotent)."""
         from actors.index_actor import get_or_create_index
-        from actors.index_publisher import IndexPublisher
+        from actors.index_publisher import Drained, IndexPublisher
 
         if getattr(self, "index_publisher", None) is not None:
             return True
         index = await asyncio.to_thread(get_or_create_index, self.config.block_size)
         me = ray.get_runtime_context().current_actor
 
+        def take(e, full: bool) -> Drained:
+            slots = e.approx.pool if e.approx is not None else None
+            if slots is not None:
+                slots.record_events = True
+            return Drained(e.pool.take_events(), e.pool.cached_hashes() if full else None,
+                           slots.take_events() if slots is not None else (),
+                           slots.slot_entries() if slots is not None and full else None)
+
         async def drain(full: bool):
-            return await self.engine.call(lambda e: (e.pool.take_events(), e.pool.cached_hashes() if full else None))
+            return await self.engine.call(lambda e: take(e, full))
 
         async def send(payload: bytes, full: bool) -> dict:
             return await index.publish.remote(payload, me if full else None)

@@ -67,6 +67,7 @@ class RouteChoice:
     route: str = "local"  # planned: local | pulled | recomputed (the worker reports what happened)
     pulls: tuple = ()  # actors.worker.Pull instructions for the chosen worker
     expected_ttft_s: float | None = None
+    donor_pulls: tuple = ()  # actors.worker.DonorPull offers (approximate reuse) for the chosen worker
 
 
 class Router(Protocol):
@@ -334,7 +335,7 @@ class WorkerPool:
             ws.inflight_tokens += flight.cost
             finished = False
             t_start = time.monotonic()
-            gen = ws.actor.generate.remote(request, choice.pulls)
+            gen = ws.actor.generate.remote(request, choice.pulls, choice.donor_pulls)
             try:
                 async for ref in gen:
                     try:

@@ -6,18 +6,27 @@ for the option with the least expected TTFT (local holder, pull to a less-loaded
 recompute). Both calls are async with short timeouts; if either is unavailable the request
 still routes (no holdings: by load; no router: least-loaded). The decision travels with the
 request as ``Pull`` instructions, so the chosen worker knows what to fetch and from whom.
+
+Approximate reuse: for a request with ``reuse == "approximate"`` that names a template, the
+index's slot registry is asked (same short timeout, concurrently with the block lookup) for that
+template's donors under the domains the request may read; donors on other live workers, of slot
+classes the chosen worker does not already hold, travel as ``DonorPull`` offers, newest first.
+The router cannot tokenize, so it does not know the request's slot class: the chosen worker
+computes it and pulls one offer that fits (or none).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Callable, Sequence
 
-from actors.index_actor import lookup_with_timeout
+from actors.index_actor import lookup_template_with_timeout, lookup_with_timeout
 from actors.prefix_index import prompt_chains
 from actors.router import RouterClient
-from actors.worker import Pull
+from actors.worker import DonorPull, Pull
 from cluster.pool import LeastLoadedRouter, RouteChoice, WorkerState
 from engine.sequence import Request
 from policies.replication import ReplicationConfig, ReplicationPolicy
@@ -40,13 +49,48 @@ class CostAwareRouter:
         self._published: dict[str, WorkerLoad] = {}
         self.replication = ReplicationPolicy(replication)
 
+    max_donor_offers = 8  # donor offers sent with one request (the worker pulls at most one or two)
+
     async def choose(self, request: Request, candidates: Sequence[WorkerState]) -> RouteChoice:
         holdings: dict[str, int] = {}
         chains: dict[str, list[bytes]] = {}
+        slots: list[dict] | None = None
+        domains = (request.domain, *request.read_domains)
         if request.reuse != "none":
-            chains = prompt_chains(request.prompt_ids, self.block_size, self.model_id,
-                                   (request.domain, *request.read_domains))
-            holdings = await lookup_with_timeout(self.index, chains, self.timeout_s) or {}
+            chains = prompt_chains(request.prompt_ids, self.block_size, self.model_id, domains)
+            if request.reuse == "approximate" and isinstance(request.template, str):
+                found, slots = await asyncio.gather(
+                    lookup_with_timeout(self.index, chains, self.timeout_s),
+                    lookup_template_with_timeout(self.index, request.template, domains, self.timeout_s))
+            else:
+                found = await lookup_with_timeout(self.index, chains, self.timeout_s)
+            holdings = found or {}
+        choice = await self._choose_exact(request, candidates, holdings, chains)
+        if slots:
+            offers = self._donor_offers(choice.worker_id, slots)
+            if offers:
+                choice = replace(choice, donor_pulls=offers)
+        return choice
+
+    def _donor_offers(self, target: str, slots: list[dict]) -> tuple[DonorPull, ...]:
+        """Donors of other live workers, of slot classes ``target`` does not hold (newest first)."""
+        held = {s["slot_class"] for s in slots if s["worker_id"] == target}
+        offers = []
+        for s in slots:
+            if s["worker_id"] == target or s["slot_class"] in held:
+                continue
+            holder = self.worker_lookup(s["worker_id"])
+            if holder is None or holder.dead:
+                continue  # gone since the index saw it
+            offers.append(DonorPull(holder.actor, s["worker_id"], s["slot_id"], s["slot_class"], s["domain"],
+                                    s.get("num_tokens", 0)))
+            if len(offers) >= self.max_donor_offers:
+                break
+        return tuple(offers)
+
+    async def _choose_exact(self, request: Request, candidates: Sequence[WorkerState], holdings: dict[str, int],
+                            chains: dict[str, list[bytes]]) -> RouteChoice:
+        """The TTFT-ranked choice over exact-prefix holdings (pulls of exact blocks)."""
         self._publish_loads(candidates)
         decision = await self.client.decide(len(request.prompt_ids), holdings, [w.worker_id for w in candidates])
         if decision is None:

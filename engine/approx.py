@@ -31,7 +31,7 @@ import torch
 from engine.manual_forward import SeqKV
 from engine.remap import RemapResult, remap_prefill
 from engine.sequence import Request
-from engine.slot_pool import Donor, SlotPool
+from engine.slot_pool import Donor, DonorPayload, SlotPool
 from policies.remap import (
     REMAP_POLICIES, Instance, Piece, RemapPlan, Template, detect_template, make_policy, query_suffix_start,
 )
@@ -150,6 +150,57 @@ class ApproxReuse:
             self.stats["no_donor"] += 1
             return None
         return ApproxMatch(pool[found.donor_index], found.plan, max(0, n - self.config.suffix_tokens), None)
+
+    # -- donors across workers (actors.slot_registry) -----------------------------------------
+    def needed_slot_class(self, request: Request) -> str | None:
+        """The slot class (``Donor.slot_class``) an approximate request of a named template
+        would use, when no readable donor here has it; None when it needs none (not approximate,
+        no template, prompt not an instance of it, or a local donor already fits)."""
+        if request.reuse != "approximate" or request.template is None:
+            return None
+        inst = self.instance(request)
+        if inst is None:
+            return None
+        want = repr(make_policy(request.remap_policy or self.config.policy).slot_key(inst))
+        held = any(d.template_id == request.template and d.slot_class == want
+                   for d in self.pool.candidates((request.domain, *request.read_domains)))
+        return None if held else want
+
+    def export_donor(self, slot_id: str, model_id: str) -> DonorPayload | None:
+        """The donor ``slot_id`` as plain arrays for another worker, or None if not held."""
+        d = self.pool.get(slot_id)
+        if d is None:
+            return None
+        return DonorPayload(d.kv.k.float().contiguous().numpy(), d.kv.v.float().contiguous().numpy(), model_id,
+                            d.token_ids, d.domain, d.tenant, d.template_id, d.instance, d.slot_key)
+
+    def import_donor(self, payload: DonorPayload, model_id: str, kv_shape: tuple[int, int, int],
+                     reader_domains: tuple[str, ...]) -> bool:
+        """Verify a pulled donor and store it under its own domain; False if it does not fit.
+        Raises ValueError (pool untouched) for another model, a domain the reader may not
+        read, KV of the wrong shape, or a segmentation that is not of these tokens.
+        ``kv_shape`` = (layers, kv heads, head dim) of this worker's model."""
+        if payload.model_id != model_id:
+            raise ValueError(f"donor KV is for model {payload.model_id!r}, not {model_id!r}")
+        if payload.domain not in reader_domains:
+            raise ValueError(f"donor of domain {payload.domain!r} is not readable by {list(reader_domains)}")
+        n = len(payload.token_ids)
+        want = (kv_shape[0], n, kv_shape[1], kv_shape[2])
+        if n == 0 or tuple(payload.k.shape) != want or tuple(payload.v.shape) != want:
+            raise ValueError(f"donor KV has shape {tuple(payload.k.shape)}, expected {want}")
+        inst = payload.instance
+        if (payload.template_id is None) != (inst is None) or (payload.slot_key is None) != (inst is None):
+            raise ValueError("donor template id, segmentation and slot key must come together")
+        if inst is not None and (tuple(inst.token_ids) != tuple(payload.token_ids)
+                                 or inst.template.name != payload.template_id or len(inst.roles) != n):
+            raise ValueError("donor segmentation does not match its tokens or template")
+        k = torch.tensor(payload.k, dtype=torch.float32)
+        v = torch.tensor(payload.v, dtype=torch.float32)
+        donor = Donor(payload.domain, payload.tenant, tuple(int(t) for t in payload.token_ids),
+                      SeqKV(k, v, torch.arange(n)), inst, payload.template_id, payload.slot_key)
+        ok = self.pool.put(donor)
+        self.stats["donors_imported"] = self.stats.get("donors_imported", 0) + ok
+        return ok
 
     def build(self, request: Request, m: ApproxMatch) -> RemapResult:
         """Run the remap (outside the batched forward); the donor becomes most recently used."""

@@ -15,6 +15,7 @@ from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner, build_batch
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.slot_pool import DonorPayload
 from engine.sequence import REUSE_MODES, InvalidRequest, Request, RequestOutput, Sequence, SequenceStatus
 from engine.tokenizer import IncrementalDetokenizer
 from policies.eviction import TenantEvictionPolicy, TenantQuota
@@ -228,6 +229,25 @@ class LLMEngine:
         if self.approx is None:
             raise InvalidRequest("approximate reuse is disabled on this engine")
         self.approx.register_template(domain, template_id, text)
+
+    # -- approximate donors across workers (actors.slot_registry) -----------------------------
+    def export_donor(self, slot_id: str) -> DonorPayload | None:
+        """A slot-pool donor as plain arrays for another worker; None if not held here."""
+        return None if self.approx is None else self.approx.export_donor(slot_id, self.loaded.model_id)
+
+    def import_donor(self, payload: DonorPayload, reader_domains: tuple[str, ...]) -> bool:
+        """Store a pulled donor in the slot pool if ``reader_domains`` (the importing request's
+        own domain and grants) may read its domain. Raises ValueError (nothing stored) on
+        another model, an unreadable domain or malformed KV; False if it cannot fit."""
+        if self.approx is None:
+            raise ValueError("approximate reuse is disabled on this engine")
+        c = self.cache
+        return self.approx.import_donor(payload, self.loaded.model_id, (c.num_layers, c.num_kv_heads, c.head_dim),
+                                        tuple(reader_domains))
+
+    def needed_slot_class(self, request: Request) -> str | None:
+        """The template slot class a pulled donor would give ``request`` (None: needs none)."""
+        return None if self.approx is None else self.approx.needed_slot_class(request)
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         now = time.perf_counter()

@@ -10,14 +10,26 @@ segmentation (``policies.remap.Instance``). Invariants:
   and the domains its request may read (grants), nothing else;
 * each group is an LRU bounded by ``bytes_per_domain`` (least recently used donor evicted first;
   a donor larger than the bound is not stored); ``nbytes`` is the sum of the groups' bytes.
+
+Cluster sharing (``actors.slot_registry``): with ``record_events`` on, storing a donor that
+instantiates a named template queues an "added" ``SlotEvent`` and evicting or replacing one a
+"removed" event (``take_events`` drains them, ``slot_entries`` is the full list for a snapshot),
+so the global index can tell other workers who holds which template slot. A donor's
+``slot_id`` is a stable sha256 of its domain, template id and tokens. A peer pulls a donor as a
+``DonorPayload`` (``ApproxReuse.export_donor``/``import_donor``: only a pool's own donors, so
+only exact KV, travel) and files it under the *donor's* domain, so the group, read and byte
+rules above hold for pulled donors too.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Hashable, Iterator
 
+import numpy as np
 import torch
 
 from engine.manual_forward import SeqKV
@@ -41,14 +53,66 @@ class Donor:
     def nbytes(self) -> int:
         return self.kv.k.nbytes + self.kv.v.nbytes
 
+    @cached_property
+    def slot_id(self) -> str:
+        """Stable id of (domain, template id, tokens): the same on every worker."""
+        h = hashlib.sha256(self.domain.encode() + b"\0" + (self.template_id or "").encode() + b"\0")
+        h.update(np.asarray(self.token_ids, dtype=np.int64).tobytes())
+        return h.hexdigest()
+
+    @property
+    def slot_class(self) -> str | None:
+        """The policy's slot key as a stable string (its repr), None without a template."""
+        return None if self.slot_key is None else repr(self.slot_key)
+
+
+@dataclass(frozen=True)
+class SlotEvent:
+    """A template donor appeared in ("added") or left ("removed") the pool."""
+
+    kind: str  # added | removed
+    template_id: str
+    slot_class: str
+    domain: str
+    slot_id: str
+    num_tokens: int
+    tenant: str = ""
+
+
+@dataclass(frozen=True)
+class DonorPayload:
+    """A donor as plain arrays for another worker (through the object store), like ``KVBlocks``.
+
+    ``k``/``v``: float32 ``[num_layers, n, num_kv_heads, head_dim]``, keys rotated at positions
+    0..n-1. ``instance``/``slot_key`` are the segmentation and key the storing worker computed
+    (pure dataclasses from ``policies.remap``)."""
+
+    k: np.ndarray
+    v: np.ndarray
+    model_id: str
+    token_ids: tuple[int, ...]
+    domain: str
+    tenant: str
+    template_id: str | None = None
+    instance: Instance | None = None
+    slot_key: Hashable | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
 
 class SlotPool:
-    def __init__(self, bytes_per_domain: int = 64 * 1024 * 1024, max_donors_per_domain: int = 64):
+    def __init__(self, bytes_per_domain: int = 64 * 1024 * 1024, max_donors_per_domain: int = 64,
+                 record_events: bool = False):
         self.bytes_per_domain = bytes_per_domain
         self.max_donors_per_domain = max_donors_per_domain
         self._groups: dict[str, OrderedDict[tuple, Donor]] = {}
         self._bytes: dict[str, int] = {}
+        self._by_id: dict[str, Donor] = {}
         self.evictions = 0
+        self.record_events = record_events  # on while a publisher drains them (else they would pile up)
+        self._events: list[SlotEvent] = []
 
     def put(self, donor: Donor) -> bool:
         """Store (or refresh) ``donor`` in its domain's group; False when it cannot fit at all."""
@@ -59,13 +123,41 @@ class SlotPool:
         old = group.pop(key, None)
         if old is not None:
             self._bytes[donor.domain] -= old.nbytes
+            self._forget(old, replaced_by=donor)
         group[key] = donor
         self._bytes[donor.domain] = self._bytes.get(donor.domain, 0) + donor.nbytes
+        self._by_id[donor.slot_id] = donor
+        self._event("added", donor)
         while self._bytes[donor.domain] > self.bytes_per_domain or len(group) > self.max_donors_per_domain:
             _, gone = group.popitem(last=False)
             self._bytes[donor.domain] -= gone.nbytes
+            self._forget(gone)
             self.evictions += 1
         return True
+
+    def get(self, slot_id: str) -> Donor | None:
+        return self._by_id.get(slot_id)
+
+    def take_events(self) -> list[SlotEvent]:
+        """Drain the queued slot events (oldest first)."""
+        events, self._events = self._events, []
+        return events
+
+    def slot_entries(self) -> list[SlotEvent]:
+        """Every template donor held now, as "added" events (a snapshot for the index)."""
+        return [e for d in self for e in [_slot_event("added", d)] if e is not None]
+
+    def _forget(self, donor: Donor, replaced_by: Donor | None = None) -> None:
+        if replaced_by is None or replaced_by.slot_id != donor.slot_id:
+            self._by_id.pop(donor.slot_id, None)
+        if replaced_by is None or replaced_by.slot_class != donor.slot_class:
+            self._event("removed", donor)
+
+    def _event(self, kind: str, donor: Donor) -> None:
+        if self.record_events:
+            e = _slot_event(kind, donor)
+            if e is not None:
+                self._events.append(e)
 
     def candidates(self, domains: tuple[str, ...]) -> list[Donor]:
         """Donors readable from ``domains`` (first domain first, most recent first in each)."""
@@ -100,6 +192,15 @@ class SlotPool:
             assert all(x.domain == d for x in g.values()), "a donor is filed under another domain"
             assert self._bytes.get(d, 0) == sum(x.nbytes for x in g.values()), "byte accounting drifted"
             assert self._bytes.get(d, 0) <= self.bytes_per_domain and len(g) <= self.max_donors_per_domain
+        assert set(self._by_id) == {x.slot_id for x in self}, "slot id map drifted"
+
+
+def _slot_event(kind: str, donor: Donor) -> SlotEvent | None:
+    """The registry event of a template donor; None for a donor without a template."""
+    if donor.template_id is None or donor.slot_key is None:
+        return None
+    return SlotEvent(kind, donor.template_id, donor.slot_class, donor.domain, donor.slot_id,
+                     len(donor.token_ids), donor.tenant)
 
 
 def seq_kv(k: torch.Tensor, v: torch.Tensor) -> SeqKV:
