@@ -10,8 +10,18 @@ Configs with a gate (``RepairGate``) recompute a request exactly when a greedy c
 first tokens has a logit margin below the gate; such a request counts as reusing nothing and
 pays the repair in its TTFT.
 
+"gated" configs replay each task's evaluation prompts in order through the online quality gate
+(``policies.remap.QualityGate``, one key per task, as the engine keys a template): a request
+the gate serves exactly (calibration, recheck, closed) reuses only the exact prefix of the LCP
+donor and matches by construction; when the gate asks, it is then shadow-checked at the gate's r
+(``engine.approx.teacher_forced_agreement``: the exact greedy output teacher-forced through the
+approximate KV, outside its TTFT). Requests of an open key are served approximately at the r
+the gate chose and measured like every other row. ``--gate-*`` set the gate's knob; the gated
+summary counts requests per mode (approx / calibration / recheck / closed / no donor).
+
     nice -n 10 .venv/bin/python bench/remap.py            # ~7 min on 2 shared CPU cores (when not contended)
     nice -n 10 .venv/bin/python bench/remap.py --quick    # smoke run
+    nice -n 10 .venv/bin/python bench/remap.py --prompts 24 --configs "gated,exact prefix"  # gate only
 Writes bench/results/remap.json and bench/results/remap_frontier.png.
 """
 
@@ -23,7 +33,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -31,12 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.remap_tasks import make_instances  # noqa: E402
+from engine.approx import teacher_forced_agreement  # noqa: E402
 from engine.manual_forward import SeqKV, extend, full_prefill, greedy_continue  # noqa: E402
 from engine.model_loader import load_model  # noqa: E402
 from engine.remap import remap_prefill  # noqa: E402
 from policies.remap import (  # noqa: E402
-    HashRemap, IdentityRemap, LearnableRemap, RemapPlan, RepairGate, common_prefix, fixed_slot_positions,
-    query_suffix_start, slot_usage, structural_recompute,
+    GateConfig, GateState, HashRemap, IdentityRemap, LearnableRemap, QualityGate, RemapPlan, RepairGate, common_prefix,
+    fixed_slot_positions, query_suffix_start, slot_usage, structural_recompute,
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -50,6 +61,7 @@ class Config:
     r: float = 0.0
     select: str = "none"  # none | deviation | structural | learned | learned+structural
     gate: float = 0.0  # RepairGate min logit margin; 0 = no gate
+    gated: bool = False  # online QualityGate: r is the first rung; prompts replayed in order
 
 
 def configs(have_learned: bool) -> list[Config]:
@@ -67,6 +79,10 @@ def configs(have_learned: bool) -> list[Config]:
     out.append(Config("hash r=0 + gate 1.0", "hash", gate=1.0))
     out.append(Config("identity r=0 + gate 1.0", "identity", gate=1.0))
     out.append(Config("promptcache Δ=0 r=0", "promptcache"))
+    out.append(Config("gated identity r=0 deviation@L1", "identity", 0.0, "deviation", gated=True))
+    out.append(Config("gated hash r=0.3 deviation@L1", "hash", 0.3, "deviation", gated=True))
+    if have_learned:
+        out.append(Config("gated learnable r=0.15", "learnable", 0.15, "learned", gated=True))
     return out
 
 
@@ -128,9 +144,16 @@ def main() -> None:
     ap.add_argument("--tasks", default="fewshot,translate,form")
     ap.add_argument("--learned", default=str(RESULTS / "learnable_remap.json"))
     ap.add_argument("--out", default=str(RESULTS / "remap.json"))
+    ap.add_argument("--configs", default="", help="comma-separated substrings: run only configs whose name has one")
+    ap.add_argument("--gate-samples", type=int, default=GateConfig.samples, help="gated: shadow checks per calibration")
+    ap.add_argument("--gate-min-agreement", type=float, default=GateConfig.min_agreement)
+    ap.add_argument("--gate-recheck", type=int, default=GateConfig.recheck_every, help="gated: recheck every n-th request")
+    ap.add_argument("--gate-ladder", default=",".join(map(str, GateConfig.ladder)), help="gated: shares after the first")
     args = ap.parse_args()
     if args.quick:
         args.donors, args.prompts, args.new = 3, 2, 4
+    gate_cfg = GateConfig(min_agreement=args.gate_min_agreement, samples=args.gate_samples, recheck_every=args.gate_recheck,
+                          ladder=tuple(float(x) for x in args.gate_ladder.split(",") if x), max_check_tokens=args.new)
     torch.set_num_threads(1)  # 2 shared cores: one thread gives stable, uncontended timings
     loaded = load_model("default")
     model, tok = loaded.model, loaded.tokenizer
@@ -139,6 +162,9 @@ def main() -> None:
     if Path(args.learned).is_file():
         learned = {t: LearnableRemap.from_json(d) for t, d in json.loads(Path(args.learned).read_text())["tasks"].items()}
     cfgs = configs(bool(learned))
+    if args.configs:
+        cfgs = [c for c in cfgs if any(w in c.name for w in args.configs.split(","))]
+    gates: dict[str, QualityGate] = {}  # per task: one gate, keyed by config
     policies = {"identity": IdentityRemap(), "hash": HashRemap(length_step=8)}
     rows: dict[tuple[str, str], list[dict]] = {}
     t_start = time.perf_counter()
@@ -150,6 +176,7 @@ def main() -> None:
         donor_kv: dict[int, SeqKV] = {d.uid: full_prefill(model, list(d.token_ids))[1] for d in donors}
         pc_pos = {d.uid: fixed_slot_positions(d, slots) for d in every}
         donor_pc: dict[int, SeqKV] = {d.uid: full_prefill(model, list(d.token_ids), list(pc_pos[d.uid]))[1] for d in donors}
+        qgate = gates.setdefault(task, QualityGate())
         for inst in evals:
             ids = list(inst.token_ids)
             t0 = time.perf_counter()
@@ -158,6 +185,11 @@ def main() -> None:
             ref_out = trim_eos(greedy_continue(model, ref_logits, ref_kv, args.new), eos)
             suffix = query_suffix_start(inst)
             for cfg in cfgs:
+                if cfg.gated:
+                    rows.setdefault((task, cfg.name), []).append(_gated(
+                        cfg, qgate, gate_cfg, model, inst, donors, policies, learned.get(task), donor_kv, ref_logits,
+                        ref_out, t_full, suffix))
+                    continue
                 donor, kvs, positions = _donor(cfg, inst, donors, policies, learned.get(task), donor_kv, donor_pc)
                 if donor is None:
                     plan = RemapPlan(tuple([None] * len(ids)), 0)
@@ -191,7 +223,43 @@ def main() -> None:
                     "kl": kl(ref_logits, logits),
                 })
         print(f"[{time.perf_counter() - t_start:6.0f}s] {task}: {len(evals)} prompts x {len(cfgs)} configs", flush=True)
-    report(rows, cfgs, args, loaded.name, time.perf_counter() - t_start)
+    report(rows, cfgs, args, loaded.name, time.perf_counter() - t_start, gates)
+
+
+def _gated(cfg, gate, gate_cfg, model, inst, donors, policies, learned, donor_kv, ref_logits, ref_out, t_full,
+           suffix) -> dict:
+    """One request of a gated config, served as the engine serves it (see the module docstring)."""
+    ids = list(inst.token_ids)
+    key = (cfg.name, "task")
+    donor, _, layout = _donor(cfg, inst, donors, policies, learned, donor_kv, None)
+    d = None if layout == "prefix" else gate.decide(key, gate_cfg, cfg.r)  # no donor of the class: not asked
+    if d is not None and d.approximate:
+        mode, served = "approx", donor
+        plan = _plan(replace(cfg, r=d.r), inst, donor, policies, learned, None)
+    else:
+        mode = ("no_donor" if d is None else "closed" if not d.shadow
+                else "recheck" if d.state == GateState.OPEN else "calibration")
+        served = max(donors, key=lambda x: common_prefix(ids, x.token_ids))
+        pre = common_prefix(ids, served.token_ids)
+        plan = RemapPlan(tuple(list(range(pre)) + [None] * (len(ids) - pre)), pre)
+    t0 = time.perf_counter()
+    res = _gated_prefill(cfg, model, ids, donor_kv[served.uid], plan, d.r if mode == "approx" else 0.0, suffix)
+    t_remap = time.perf_counter() - t0
+    match, _, _ = greedy_matches(model, res.logits, res.kv, ref_out, ids)
+    if d is not None and d.shadow:  # the shadow check, after the request (not in its TTFT)
+        check = _gated_prefill(cfg, model, ids, donor_kv[donor.uid],
+                               _plan(replace(cfg, r=d.r), inst, donor, policies, learned, None), d.r, suffix)
+        gate.record(key, d.r, teacher_forced_agreement(model, check.logits, check.kv, ref_out, ref_out, ref_logits))
+    sb, nb = shared_blocks(res.plan, list(range(len(ids))), donor_kv[served.uid].positions.tolist())
+    return {"tokens": len(ids), "reused": len(ids) - res.computed, "exact": res.plan.exact_prefix,
+            "shared_blocks": sb, "blocks": max(nb, -(-len(ids) // BLOCK)), "t_full": t_full, "t_remap": t_remap,
+            "exact_match": match, "repaired": False, "top1": int(res.logits.argmax()) == int(ref_logits.argmax()),
+            "kl": kl(ref_logits, res.logits), "mode": mode, "r": d.r if mode == "approx" else None}
+
+
+def _gated_prefill(cfg, model, ids, kv, plan, r, suffix):
+    """Deviation selection picks its share inside the prefill; learned selection is in the plan."""
+    return remap_prefill(model, ids, kv, plan, r=r if "deviation" in cfg.select else 0.0, suffix_start=suffix)
 
 
 def _donor(cfg, inst, donors, policies, learned, donor_kv, donor_pc):
@@ -224,7 +292,7 @@ def _plan(cfg, inst, donor, policies, learned, layout) -> RemapPlan:
     return plan
 
 
-def report(rows, cfgs, args, model_name, elapsed) -> None:
+def report(rows, cfgs, args, model_name, elapsed, gates=None) -> None:
     table = []
     tasks = sorted({t for t, _ in rows})
     for cfg in cfgs:
@@ -239,6 +307,7 @@ def report(rows, cfgs, args, model_name, elapsed) -> None:
         "model": model_name, "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": 1},
         "args": vars(args), "elapsed_s": elapsed, "block_size": BLOCK, "table": table,
         "per_prompt": {f"{t}|{c}": rs for (t, c), rs in rows.items()},
+        "gates": {t: g.snapshot() for t, g in (gates or {}).items()},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
@@ -248,6 +317,17 @@ def report(rows, cfgs, args, model_name, elapsed) -> None:
         a = row["all"]
         per = "  ".join(f"{t[:5]} {s['reused']:.2f}/{s['exact_match']:.2f}" for t, s in row["tasks"].items())
         print(f"{row['config']:34s} {a['reused']:6.3f} {a['blocks_shared']:6.3f} {a['ttft_ratio']:5.2f} {a['exact_match']:8.3f} {a['top1']:5.3f} {a['kl']:7.4f} {a['repaired']:5.2f}  {per}")
+    gated = [row for row, cfg in zip(table, cfgs) if cfg.gated]
+    if gated:
+        print(f"gated (min_agreement {args.gate_min_agreement}, {args.gate_samples} samples, recheck every "
+              f"{args.gate_recheck}, ladder {args.gate_ladder}): requests per mode, EM of approximately served, final r")
+        for row in gated:
+            a = row["all"]
+            modes = " ".join(f"{m} {k}" for m, k in sorted(a["modes"].items()))
+            em = "-" if a["em_approx"] is None else f"{a['em_approx']:.3f}"
+            final = "  ".join(f"{t[:5]} {g['state']}@{g['r']}" for t in tasks
+                              for k, g in (gates or {}).get(t, QualityGate()).snapshot().items() if k.startswith(row["config"] + "/"))
+            print(f"  {row['config']:34s} {modes}; EM approx {em}; {final}")
     print(f"model {model_name}, {len(tasks)} tasks, elapsed {elapsed:.0f}s, machine {platform.machine()} x{os.cpu_count()}, 1 torch thread")
     _plot(table, Path(args.out).with_name("remap_frontier.png"))
 
@@ -266,7 +346,17 @@ def _summary(rs: list[dict]) -> dict:
         "top1": sum(r["top1"] for r in rs) / n,
         "kl": sum(r["kl"] for r in rs) / n,
         "repaired": sum(r.get("repaired", False) for r in rs) / n,
+        **(_gated_summary(rs) if "mode" in rs[0] else {}),
     }
+
+
+def _gated_summary(rs: list[dict]) -> dict:
+    """Requests per gate mode and greedy EM of those served approximately (None if none were)."""
+    modes: dict[str, int] = {}
+    for r in rs:
+        modes[r["mode"]] = modes.get(r["mode"], 0) + 1
+    served = [r for r in rs if r["mode"] == "approx"]
+    return {"modes": modes, "em_approx": sum(r["exact_match"] for r in served) / len(served) if served else None}
 
 
 def _plot(table, path: Path) -> None:

@@ -15,6 +15,16 @@ Safety invariants (the engine enforces the first two, see ``LLMEngine.step``):
   * leading blocks that the exact prefix cache holds are shared as usual (exact KV); approximate
     KV is written only into the sequence's own new blocks, at positions >= that hit.
 
+Quality gate (``policies.remap.QualityGate``; on when the tenant has a ``GateConfig``): the
+recompute share is chosen per (share domain, template) from measurements, not assumed. While a
+key calibrates (or at every ``recheck_every``-th request once open) ``match`` returns a
+``shadow`` match: the request runs exactly, the engine records the exact argmax at every output
+step and, after the request's last output was returned, ``shadow_check`` builds the approximate
+prompt KV at the key's r from the same donor and teacher-forces the exact output through it.
+Every position's argmax equal to the exact one <=> the approximate greedy continuation would
+have been identical (by induction), so the gate measures greedy exact-match itself. Keys of
+auto-detected templates are families: a prompt joins the family of the donor it matched.
+
 Defaults (from ``bench/results/remap.json``, SmolLM2-135M, 3 task families): policy ``hash``
 with ``r = 0.3`` (deviation at layer 1): 61% of prompt tokens reused at greedy EM 0.861, the best
 quality of the calibration-free policies at r > 0. ``learnable`` scored higher (0.715 / 0.889
@@ -24,16 +34,18 @@ none, so here it only changes donor choice (parameter similarity) and keeps devi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch
 
-from engine.manual_forward import SeqKV
+from engine.manual_forward import SeqKV, extend
 from engine.remap import RemapResult, remap_prefill
 from engine.sequence import Request
 from engine.slot_pool import Donor, DonorPayload, SlotPool
 from policies.remap import (
-    REMAP_POLICIES, Instance, Piece, RemapPlan, Template, detect_template, make_policy, query_suffix_start,
+    REMAP_POLICIES, GateConfig, GateKey, Instance, Piece, QualityGate, RemapPlan, ShadowSample, Template,
+    detect_template, detected_family_key, make_policy, query_suffix_start,
 )
 
 DEFAULT_POLICY = "hash"
@@ -50,22 +62,51 @@ class ApproxConfig:
     detect_max_candidates: int = 32  # most recent donors compared by auto-detection
     suffix_tokens: int = 8  # query suffix always computed when the template does not say
     min_gain_tokens: int = 16  # below this many approximate tokens, run exactly instead
+    # Quality gate: ``gate`` for every tenant (None: ungated, r as configured), overridden per
+    # tenant by ``tenant_gates`` (a tenant mapped to None is ungated).
+    gate: GateConfig | None = None
+    tenant_gates: dict[str, GateConfig | None] = field(default_factory=dict)
+    max_shadow_jobs: int = 8  # finished requests waiting for their shadow check; oldest dropped
 
     def __post_init__(self):
         if self.policy not in REMAP_POLICIES:
             raise ValueError(f"unknown remap policy {self.policy!r}")
         if not 0.0 <= self.recompute_ratio <= 1.0:
             raise ValueError("recompute_ratio must be in [0, 1]")
+        if self.max_shadow_jobs < 1:
+            raise ValueError("max_shadow_jobs must be >= 1")
+
+    def gate_for(self, tenant: str) -> GateConfig | None:
+        return self.tenant_gates[tenant] if tenant in self.tenant_gates else self.gate
 
 
 @dataclass(frozen=True)
 class ApproxMatch:
-    """A donor and the plan to build the new prompt from it."""
+    """A donor and the plan to build the new prompt from it at recompute share ``r``.
+
+    ``shadow``: the gate wants a measurement, not approximate serving: run the request exactly
+    and, once it has finished, ``shadow_check`` this match (``gate_key`` names the gate key)."""
 
     donor: Donor
     plan: RemapPlan
     suffix_start: int
     instance: Instance | None
+    r: float = DEFAULT_RECOMPUTE_RATIO
+    shadow: bool = False
+    gate_key: GateKey | None = None
+
+
+@dataclass
+class ShadowJob:
+    """A finished, exactly served request to shadow-check: its exact output ids, the exact argmax
+    at each output step (``exact_argmax[i]`` chose output i when greedy) and the exact logits of
+    the first output token."""
+
+    request: Request
+    match: ApproxMatch
+    output_ids: list[int]
+    exact_argmax: list[int]
+    first_logits: torch.Tensor | None
 
 
 class ApproxReuse:
@@ -75,7 +116,10 @@ class ApproxReuse:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.pool = SlotPool(config.bytes_per_domain, config.max_donors_per_domain)
         self.templates: dict[tuple[str, str], str] = {}  # (domain, template id) -> text
-        self.stats = {"approx_requests": 0, "donors_stored": 0, "no_donor": 0}
+        self.stats = {"approx_requests": 0, "donors_stored": 0, "no_donor": 0, "gate_exact": 0, "shadow_checks": 0,
+                      "shadow_disagreements": 0, "shadow_skipped": 0, "shadow_dropped": 0, "shadow_errors": 0}
+        self.gate = QualityGate()
+        self._families: OrderedDict[tuple[str, tuple[int, ...]], str] = OrderedDict()  # detected-template families
 
     # -- templates ---------------------------------------------------------------------------
     def register_template(self, domain: str, template_id: str, text: str) -> None:
@@ -126,7 +170,9 @@ class ApproxReuse:
         return ok
 
     def match(self, request: Request) -> ApproxMatch | None:
-        """The donor and plan for an approximate request, or None (run it exactly)."""
+        """The donor and plan for an approximate request, or None (run it exactly). With a quality
+        gate the match may be a ``shadow`` one (run exactly, then measure); a closed key gives None.
+        Requests that are not approximate, or find no donor, never reach the gate."""
         if request.reuse != "approximate":
             return None
         cands = self.pool.candidates((request.domain, *request.read_domains))
@@ -143,13 +189,45 @@ class ApproxReuse:
                 self.stats["no_donor"] += 1
                 return None
             donor = next(d for d in same if d.instance is chosen)
-            return ApproxMatch(donor, policy.plan(inst, chosen), query_suffix_start(inst, self.config.suffix_tokens), inst)
+            return self._gated(request, ApproxMatch(donor, policy.plan(inst, chosen),
+                                                    query_suffix_start(inst, self.config.suffix_tokens), inst),
+                               request.template)
         pool = [d for d in cands if d.token_ids != tuple(ids)][: self.config.detect_max_candidates]
         found = detect_template(ids, [d.token_ids for d in pool], min_coverage=self.config.detect_min_coverage)
         if found is None:
             self.stats["no_donor"] += 1
             return None
-        return ApproxMatch(pool[found.donor_index], found.plan, max(0, n - self.config.suffix_tokens), None)
+        donor = pool[found.donor_index]
+        m = ApproxMatch(donor, found.plan, max(0, n - self.config.suffix_tokens), None)
+        return self._gated(request, m, self._family(request, donor))
+
+    def _gated(self, request: Request, m: ApproxMatch, template_key: str) -> ApproxMatch | None:
+        """``m`` at the request's r when ungated; else as the gate decides: approximate at the
+        key's r, a shadow match (run exactly, measure), or None (closed: run exactly)."""
+        r0 = self.config.recompute_ratio if request.recompute_ratio is None else float(request.recompute_ratio)
+        cfg = self.config.gate_for(request.tenant)
+        if cfg is None:
+            return ApproxMatch(m.donor, m.plan, m.suffix_start, m.instance, r0)
+        key = (request.domain, template_key)
+        d = self.gate.decide(key, cfg, r0)
+        if not d.approximate:
+            self.stats["gate_exact"] += 1
+            if not d.shadow:
+                return None
+        return ApproxMatch(m.donor, m.plan, m.suffix_start, m.instance, d.r, d.shadow, key)
+
+    def _family(self, request: Request, donor: Donor) -> str:
+        """Gate key of an auto-detected template: the family of the matched donor (a donor
+        without one founds it); the request joins it, so its own donation stays in it."""
+        fams = self._families
+        dkey = (donor.domain, donor.token_ids)
+        fam = fams.get(dkey) or detected_family_key(donor.token_ids)
+        for k in (dkey, (request.domain, tuple(request.prompt_ids))):
+            fams[k] = fam
+            fams.move_to_end(k)
+        while len(fams) > 16 * self.config.max_donors_per_domain:
+            fams.popitem(last=False)
+        return fam
 
     # -- donors across workers (actors.slot_registry) -----------------------------------------
     def needed_slot_class(self, request: Request) -> str | None:
@@ -203,15 +281,63 @@ class ApproxReuse:
         return ok
 
     def build(self, request: Request, m: ApproxMatch) -> RemapResult:
-        """Run the remap (outside the batched forward); the donor becomes most recently used."""
-        r = self.config.recompute_ratio if request.recompute_ratio is None else request.recompute_ratio
+        """Run the remap at ``m.r`` (outside the batched forward); the donor becomes most
+        recently used."""
         self.pool.touch(m.donor)
         self.stats["approx_requests"] += 1
+        return self._remap(request, m)
+
+    def _remap(self, request: Request, m: ApproxMatch) -> RemapResult:
         donor = m.donor.kv
         if donor.k.dtype != torch.float32:
             donor = SeqKV(donor.k.float(), donor.v.float(), donor.positions)
-        return remap_prefill(self.model, list(request.prompt_ids), donor, m.plan, r=r,
+        return remap_prefill(self.model, list(request.prompt_ids), donor, m.plan, r=m.r,
                              select_layer=min(1, self.model.config.num_hidden_layers - 1), suffix_start=m.suffix_start)
+
+    # -- quality gate: shadow checks -----------------------------------------------------------
+    def shadow_check(self, job: ShadowJob) -> ShadowSample | None:
+        """Measure ``job``'s match and record it in the gate. Skipped (None) when the gate no
+        longer wants a sample of that key at that r (it opened or escalated meanwhile), or the
+        request produced no output. Compares at most the gate's ``max_check_tokens`` positions."""
+        m = job.match
+        cfg = self.config.gate_for(job.request.tenant)
+        if m.gate_key is None or cfg is None or not self.gate.wants(m.gate_key, m.r) or not job.exact_argmax:
+            self.stats["shadow_skipped"] += 1
+            return None
+        res = self._remap(job.request, m)
+        limit = cfg.max_check_tokens
+        sample = teacher_forced_agreement(self.model, res.logits, res.kv, job.output_ids[:limit],
+                                          job.exact_argmax[:limit], job.first_logits)
+        self.stats["shadow_checks"] += 1
+        self.stats["shadow_disagreements"] += not sample.agree
+        self.gate.record(m.gate_key, m.r, sample)
+        return sample
+
+
+def first_token_kl(exact_logits: torch.Tensor, approx_logits: torch.Tensor) -> float:
+    """KL(exact || approximate) of one next-token distribution, in float64."""
+    lp, lq = torch.log_softmax(exact_logits.double(), -1), torch.log_softmax(approx_logits.double(), -1)
+    return max(0.0, float((lp.exp() * (lp - lq)).sum()))
+
+
+def teacher_forced_agreement(model: torch.nn.Module, logits: torch.Tensor, kv: SeqKV, output_ids: list[int],
+                             exact_argmax: list[int], exact_first_logits: torch.Tensor | None = None) -> ShadowSample:
+    """Teacher-force ``output_ids`` (the exactly served output) through approximate prompt KV
+    (``logits``: its next-token logits, ``kv``: its KV) and compare the argmax at each position
+    with ``exact_argmax`` (the exact argmax after the same tokens). Agreement at every position
+    <=> greedy decoding from the approximate KV reproduces the exact greedy output (when the
+    output was greedy, ``output_ids == exact_argmax``; for a sampled output it is top-1
+    agreement along the sampled path). One decode per compared position (``extend``)."""
+    n = min(len(output_ids), len(exact_argmax))
+    if n == 0:
+        raise ValueError("a shadow check needs at least one output position")
+    kl = first_token_kl(exact_first_logits, logits) if exact_first_logits is not None else 0.0
+    agree = 0
+    for i in range(n):
+        agree += int(logits.argmax()) == exact_argmax[i]
+        if i + 1 < n:
+            logits, kv = extend(model, kv, output_ids[i])
+    return ShadowSample(agree == n, agree / n, kl, n)
 
 
 def _wrap(tmpl: Template, before: str, after: str) -> Template:

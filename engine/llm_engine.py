@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.approx import ApproxConfig, ApproxReuse
+from engine.approx import ApproxConfig, ApproxReuse, ShadowJob
 from engine.block_pool import BlockHash, BlockPool, prompt_chains
 from engine.kv_cache import KVBlocks, PagedKVCache, token_slots
 from engine.kv_manager import KVManager
@@ -82,6 +84,7 @@ class LLMEngine:
                        if config.approx is not None and config.device == "cpu" else None)
         self.tenant_metrics: dict[str, TenantMetrics] = {}
         self.num_steps = 0
+        self._shadow_jobs: deque[ShadowJob] = deque()  # quality-gate checks of finished requests
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -133,11 +136,14 @@ class LLMEngine:
         return self._output(seq, [], "")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests in flight, or quality-gate shadow checks still to run (one per step)."""
+        return self.scheduler.has_unfinished() or bool(self._shadow_jobs)
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.pool.evict_expired()
+        if self._shadow_jobs:  # at most one per step, after the request's last output was returned
+            self._run_shadow(self._shadow_jobs.popleft())
         early = self._admit_approximate() if self.approx is not None else []
         scheduled = self.scheduler.schedule()
         if not scheduled:
@@ -166,6 +172,11 @@ class LLMEngine:
                 if seq.num_output == 0 and not seq.approx_kv and self.approx is not None \
                         and seq.request.reuse == "approximate":
                     self._donate(seq)
+        for i, seq in enumerate(sampled_seqs):
+            if seq.shadow is not None:  # quality gate: the exact argmax of every output step
+                seq.shadow_argmax.append(int(logits[i].argmax()))
+                if seq.shadow_first_logits is None:
+                    seq.shadow_first_logits = logits[i].float().clone()
         tokens = sample(logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs])
         return early + [self._append(seq, tok) for seq, tok in zip(sampled_seqs, tokens)]
 
@@ -191,6 +202,9 @@ class LLMEngine:
             gain = sum(1 for i in range(hit_tokens, m.suffix_start) if m.plan.src[i] is not None)
             if hit_tokens > m.plan.exact_prefix or gain < self.config.approx.min_gain_tokens:
                 continue  # the exact prefix cache serves (nearly) as much: run exactly
+            if m.shadow:  # the quality gate measures this template: run exactly, check once finished
+                seq.shadow = m
+                continue
             if self.kv.blocks_needed(seq, n, hit) > self.pool.num_free_blocks():
                 continue
             t0 = time.perf_counter()
@@ -223,6 +237,24 @@ class LLMEngine:
         k = torch.stack([self.cache.k[layer].index_select(0, slots) for layer in range(self.cache.num_layers)])
         v = torch.stack([self.cache.v[layer].index_select(0, slots) for layer in range(self.cache.num_layers)])
         self.approx.store(seq.request, k.float(), v.float())
+
+    def _run_shadow(self, job: ShadowJob) -> None:
+        """One quality-gate check. The request was already served: a failure here is counted and
+        logged, never raised into the loop (the key then simply stays served exactly)."""
+        try:
+            self.approx.shadow_check(job)
+        except (ValueError, RuntimeError, IndexError) as e:
+            self.approx.stats["shadow_errors"] += 1
+            logging.getLogger(__name__).warning("quality-gate shadow check of %s failed: %r", job.request.request_id, e)
+
+    def _queue_shadow(self, seq: Sequence) -> None:
+        """Queue the quality-gate check of a finished shadowed request (bounded: oldest dropped)."""
+        if len(self._shadow_jobs) >= self.config.approx.max_shadow_jobs:
+            self._shadow_jobs.popleft()
+            self.approx.stats["shadow_dropped"] += 1
+        self._shadow_jobs.append(ShadowJob(seq.request, seq.shadow, list(seq.output_ids), seq.shadow_argmax,
+                                           seq.shadow_first_logits))
+        seq.shadow, seq.shadow_argmax, seq.shadow_first_logits = None, [], None
 
     def register_template(self, domain: str, template_id: str, text: str) -> None:
         """Register a template for ``domain`` (requests may then name it without its text)."""
@@ -275,6 +307,8 @@ class LLMEngine:
             self.scheduler.remove(seq)
             self.tenant_metrics[seq.request.tenant].output_tokens += seq.num_output
             delta = seq.text[seq.emitted_chars :]
+            if seq.shadow is not None:
+                self._queue_shadow(seq)
         else:
             # hold back a tail that could still become a stop string
             hold = self._stop_prefix_len(seq)
@@ -387,6 +421,8 @@ class LLMEngine:
                     "evictions": self.pool.stats.get(t).evictions if t in self.pool.stats else 0}
                 for t, m in self.tenant_metrics.items()
             },
+            **({"approx": {**self.approx.stats, "donors": len(self.approx.pool), "shadow_pending": len(self._shadow_jobs),
+                           "gate": self.approx.gate.snapshot()}} if self.approx is not None else {}),
         }
 
 

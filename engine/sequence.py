@@ -109,6 +109,12 @@ class Sequence:
     num_approx: int = 0  # of those, served from approximate (remapped donor) KV
     approx_kv: bool = False  # KV built from a donor: never registered in the exact prefix cache
     approx_tried: bool = False
+    # Quality gate (engine/approx.py): a match to shadow-check once this exactly served request
+    # has finished; meanwhile the exact argmax at every output step (len == num_output) and the
+    # exact logits of the first output token are recorded.
+    shadow: object = None  # engine.approx.ApproxMatch
+    shadow_argmax: list[int] = field(default_factory=list)
+    shadow_first_logits: torch.Tensor | None = None
     num_registered: int = 0  # leading blocks already in the prefix cache
     prefix_chains: tuple[int, dict] | None = None  # (token count, chain hashes per readable domain)
     finish_reason: str | None = None

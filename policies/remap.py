@@ -514,3 +514,239 @@ class RepairGate:
 
     def repair(self, step: int, margin: float) -> bool:
         return step < self.steps and margin < self.min_margin
+
+
+# ---------------------------------------------------------------------------------------------
+# quality gate: a measured, per-template choice of the recompute share
+
+
+class GateState:
+    """States of one gate key (plain strings, JSON-friendly)."""
+
+    CALIBRATING = "calibrating"  # served exactly; finished requests are shadow-checked at r
+    OPEN = "open"  # served approximately at r; every ``recheck_every``-th request is checked
+    CLOSED = "closed"  # no rung passed: served exactly, retried after a back-off
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """A tenant's quality knob for approximate reuse (the tenants file's ``remap:`` block).
+
+    ``min_agreement``: share of the last ``samples`` shadow checks whose greedy continuation
+    must equal the exact one (1.0: every check agrees). ``max_kl``: optional bound on their mean
+    first-token KL(exact || approximate). ``ladder``: recompute shares tried, in order, after
+    the tenant's own r (only those above it). ``recheck_every``: while open, every n-th request
+    is served exactly and checked. ``backoff_requests``: a closed key serves this many requests
+    exactly before it retries (doubling after each failed retry, up to
+    ``max_backoff_requests``). ``max_check_tokens``: output positions a shadow check compares.
+    """
+
+    min_agreement: float = 1.0
+    samples: int = 4
+    max_kl: float | None = None
+    recheck_every: int = 8
+    ladder: tuple[float, ...] = (0.5, 0.7)
+    backoff_requests: int = 64
+    max_backoff_requests: int = 1024
+    max_check_tokens: int = 16
+
+    def __post_init__(self):
+        def whole(name: str, lo: int) -> int:
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, int) or x < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {x!r}")
+            return x
+
+        a = self.min_agreement
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 < a <= 1.0:
+            raise ValueError(f"min_agreement must be in (0, 1], got {a!r}")
+        k = self.max_kl
+        if k is not None and (isinstance(k, bool) or not isinstance(k, (int, float)) or not k >= 0):
+            raise ValueError(f"max_kl must be a number >= 0 (or null), got {k!r}")
+        whole("samples", 1), whole("recheck_every", 1), whole("max_check_tokens", 1)
+        if whole("max_backoff_requests", 1) < whole("backoff_requests", 1):
+            raise ValueError("max_backoff_requests must be >= backoff_requests")
+        ladder = tuple(self.ladder)
+        if not all(isinstance(r, (int, float)) and not isinstance(r, bool) and 0.0 <= r <= 1.0 for r in ladder):
+            raise ValueError(f"ladder must hold recompute shares in [0, 1], got {self.ladder!r}")
+        object.__setattr__(self, "ladder", tuple(float(r) for r in ladder))
+
+    def rungs(self, r0: float) -> tuple[float, ...]:
+        """The shares a key tries: its own ``r0`` first, then the ladder's larger ones, ascending."""
+        return (float(r0),) + tuple(sorted({r for r in self.ladder if r > r0}))
+
+    def allowed_failures(self) -> int:
+        """Disagreeing samples a full window may hold and still pass."""
+        return int(math.floor((1.0 - self.min_agreement) * self.samples + 1e-9))
+
+
+@dataclass(frozen=True)
+class ShadowSample:
+    """One shadow check: the request was served exactly; its approximate prompt KV (at ``r``)
+    was then built and the exact output teacher-forced through it.
+
+    ``agree`` is True iff the approximate argmax equals the exact argmax at every compared
+    position; by induction that means the approximate greedy continuation would have been
+    identical. ``token_agreement``: share of compared positions that agree; ``first_kl``:
+    KL(exact || approximate) of the first output token."""
+
+    agree: bool
+    token_agreement: float = 1.0
+    first_kl: float = 0.0
+    positions: int = 1
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    """What to do with one approximate-mode request that has a donor.
+
+    ``approximate``: serve from remapped KV at ``r``. Otherwise serve exactly, and when
+    ``shadow`` is set, shadow-check the remap at ``r`` once the request has finished."""
+
+    approximate: bool
+    shadow: bool
+    r: float | None
+    state: str
+
+
+@dataclass
+class _Key:
+    config: GateConfig
+    rungs: tuple[float, ...]
+    rung: int = 0
+    state: str = GateState.CALIBRATING
+    window: list[ShadowSample] = field(default_factory=list)
+    since_check: int = 0  # open: requests since the last recheck
+    closed_for: int = 0  # closed: requests served exactly since closing
+    backoff: int = 0  # closed: requests to wait before the retry (0 until first closed)
+    approx_served: int = 0
+    exact_served: int = 0
+    checks: int = 0
+    failures: int = 0
+    escalations: int = 0
+    closings: int = 0
+
+    @property
+    def r(self) -> float:
+        return self.rungs[self.rung]
+
+
+GateKey = tuple[str, str]  # (share domain, template id or detected-template key)
+
+
+class QualityGate:
+    """Per (share domain, template) state machine that chooses the recompute share from measured
+    agreement instead of assuming it.
+
+    A key starts CALIBRATING at the tenant's r (``rungs[0]``): its requests are served exactly and
+    shadow-checked. It opens once a full window of ``samples`` checks at the current r passes
+    (agreement share >= ``min_agreement`` and, if set, mean first-token KL <= ``max_kl``). A
+    window that can no longer pass (too many disagreements during calibration), or an open
+    key's sliding window that stops passing after a recheck, escalates to the next rung with a
+    fresh window; past the last rung the key CLOSES (approximate disabled) for a back-off of
+    ``backoff_requests`` requests, then recalibrates at the last rung (doubling the back-off if
+    that fails again).
+
+    Invariants: a key is OPEN only if its window holds ``samples`` checks at its current r that
+    pass; samples measured at another r than the key's current one are ignored (stale: taken
+    before an escalation); keys never share state. Pure bookkeeping: no torch, no clock.
+    """
+
+    def __init__(self) -> None:
+        self._keys: dict[GateKey, _Key] = {}
+
+    def decide(self, key: GateKey, config: GateConfig, r0: float) -> GateDecision:
+        """The next request of ``key`` (which has a donor). ``config`` and ``r0`` (the tenant's
+        recompute share) are read when the key is first seen."""
+        k = self._keys.get(key)
+        if k is None:
+            k = self._keys[key] = _Key(config, config.rungs(r0))
+        if k.state == GateState.OPEN:
+            k.since_check += 1
+            if k.since_check >= k.config.recheck_every:
+                k.since_check = 0
+                k.exact_served += 1
+                return GateDecision(False, True, k.r, k.state)
+            k.approx_served += 1
+            return GateDecision(True, False, k.r, k.state)
+        k.exact_served += 1
+        if k.state == GateState.CLOSED:
+            k.closed_for += 1
+            if k.closed_for <= k.backoff:
+                return GateDecision(False, False, None, k.state)
+            k.state, k.rung, k.window = GateState.CALIBRATING, len(k.rungs) - 1, []
+        return GateDecision(False, True, k.r, k.state)
+
+    def wants(self, key: GateKey, r: float) -> bool:
+        """Whether a check of ``key`` at ``r`` would still count (run it only then)."""
+        k = self._keys.get(key)
+        return k is not None and k.state != GateState.CLOSED and k.r == r
+
+    def record(self, key: GateKey, r: float, sample: ShadowSample) -> str | None:
+        """Add a shadow check of ``key`` at ``r``; returns the key's state afterwards, or None
+        when the sample was stale (unknown key, other r, or closed) and was ignored."""
+        if not self.wants(key, r):
+            return None
+        k = self._keys[key]
+        cfg = k.config
+        k.checks += 1
+        k.failures += not sample.agree
+        k.window = (k.window + [sample])[-cfg.samples:]
+        if k.state == GateState.CALIBRATING:
+            if sum(not s.agree for s in k.window) > cfg.allowed_failures():
+                self._escalate(k)
+            elif len(k.window) == cfg.samples:
+                if self._passes(k):
+                    k.state, k.since_check = GateState.OPEN, 0
+                else:
+                    self._escalate(k)
+        elif not self._passes(k):  # open: the sliding window stopped passing
+            self._escalate(k)
+        return k.state
+
+    def state(self, key: GateKey) -> str | None:
+        k = self._keys.get(key)
+        return None if k is None else k.state
+
+    def r(self, key: GateKey) -> float | None:
+        k = self._keys.get(key)
+        return None if k is None or k.state == GateState.CLOSED else k.r
+
+    def snapshot(self) -> dict[str, dict]:
+        """Per key (``"domain/template"``): state, r, window size and agreement, counters."""
+        out = {}
+        for (domain, tid), k in self._keys.items():
+            n = len(k.window)
+            out[f"{domain}/{tid}"] = {
+                "state": k.state, "r": None if k.state == GateState.CLOSED else k.r,
+                "samples": n, "agreement": sum(s.agree for s in k.window) / n if n else None,
+                "mean_first_kl": sum(s.first_kl for s in k.window) / n if n else None,
+                "approx_served": k.approx_served, "exact_served": k.exact_served, "checks": k.checks,
+                "failures": k.failures, "escalations": k.escalations, "closings": k.closings,
+            }
+        return out
+
+    @staticmethod
+    def _passes(k: _Key) -> bool:
+        cfg, w = k.config, k.window
+        if len(w) < cfg.samples or sum(not s.agree for s in w) > cfg.allowed_failures():
+            return False
+        return cfg.max_kl is None or sum(s.first_kl for s in w) / len(w) <= cfg.max_kl
+
+    @staticmethod
+    def _escalate(k: _Key) -> None:
+        k.window, k.since_check = [], 0
+        if k.rung + 1 < len(k.rungs):
+            k.rung += 1
+            k.state = GateState.CALIBRATING
+            k.escalations += 1
+            return
+        k.state, k.closed_for, k.closings = GateState.CLOSED, 0, k.closings + 1
+        k.backoff = k.config.backoff_requests if k.closings == 1 else min(2 * k.backoff, k.config.max_backoff_requests)
+
+
+def detected_family_key(token_ids: Sequence[int]) -> str:
+    """Gate key of an auto-detected template family, named after its first member's tokens
+    (``"auto:"`` + 12 hex digits); later members inherit their donor's family (engine/approx.py)."""
+    digest = hashlib.sha256(b"".join(int(t).to_bytes(4, "little") for t in token_ids)).hexdigest()
+    return "auto:" + digest[:12]

@@ -15,6 +15,17 @@ The tenants file (YAML; only ``name`` and ``api_keys`` are required)::
         cache: {min_blocks: 0, max_blocks: null, ttl_s: null}     # see policies.eviction
         limits: {requests_per_s: 20, burst: 40, max_concurrent: 16}  # null = unlimited
         workers: {min: 1, max: 4}  # autoscaling: guaranteed workers and cap (policies.autoscale)
+        templates: {sent: "Review: {text}\nLabel:"}   # approximate reuse: named templates
+        remap:                    # approximate reuse (policies.remap)
+          policy: hash            # identity | hash | learnable
+          recompute_ratio: 0.3    # the first recompute share the quality gate tries
+          gate: true              # measure quality per template before serving approximately
+          min_agreement: 1.0      # share of shadow checks whose greedy output must agree exactly
+          calibration_samples: 4  # shadow checks per calibration (and sliding window when open)
+          max_kl: null            # optional bound on the mean first-token KL of those checks
+          recheck_every: 8        # once open, every n-th request is served exactly and checked
+          ladder: [0.5, 0.7]      # recompute shares tried after a failed calibration
+          backoff_requests: 64    # past the ladder: requests served exactly before retrying
 
 Share domains: a tenant writes its KV blocks into its own domain (its name), so no other
 tenant can hit them. A grant ``acme.share_with: [globex]`` adds ``acme`` to globex's read
@@ -32,6 +43,7 @@ from typing import Mapping
 
 from policies.autoscale import TenantShare
 from policies.eviction import TenantQuota
+from policies.remap import GateConfig
 
 TenantId = str
 # The request reuse modes (the engine imports them from here).
@@ -82,13 +94,45 @@ class TenantConfig:
     templates: tuple[tuple[str, str], ...] = ()
     remap_policy: str | None = None
     recompute_ratio: float | None = None
+    # the quality gate's thresholds for this tenant's approximate requests; None: ungated
+    quality_gate: GateConfig | None = GateConfig()
 
 
 _TENANT_FIELDS = {"name", "api_keys", "share_with", "reuse", "priority", "cache", "limits", "workers",
                   "templates", "remap"}
 
 
-def _parse_remap(d: dict, where: str) -> tuple[tuple[tuple[str, str], ...], str | None, float | None]:
+# remap: keys of the quality gate -> GateConfig fields
+_GATE_FIELDS = {"min_agreement": "min_agreement", "calibration_samples": "samples", "max_kl": "max_kl",
+                "recheck_every": "recheck_every", "ladder": "ladder", "backoff_requests": "backoff_requests"}
+
+
+def _parse_gate(remap: dict, where: str) -> GateConfig | None:
+    """The tenant's quality gate: on unless ``remap.gate`` is false; thresholds from ``remap``."""
+    on = remap.get("gate", True)
+    if not isinstance(on, bool):
+        raise TenantsError(f"{where}: remap.gate must be true or false")
+    given = {_GATE_FIELDS[k]: v for k, v in remap.items() if k in _GATE_FIELDS}
+    if not on:
+        if given:
+            raise TenantsError(f"{where}: remap.gate is false but gate thresholds "
+                               f"{sorted(k for k in remap if k in _GATE_FIELDS)} are set")
+        return None
+    if "ladder" in given:
+        if not isinstance(given["ladder"], list):
+            raise TenantsError(f"{where}: remap.ladder must be a list of recompute shares in [0, 1]")
+        given["ladder"] = tuple(given["ladder"])
+    backoff = given.get("backoff_requests")
+    if isinstance(backoff, int) and not isinstance(backoff, bool):
+        given["max_backoff_requests"] = max(GateConfig.max_backoff_requests, backoff)
+    try:
+        return GateConfig(**given)
+    except ValueError as e:  # GateConfig names its field first: name the file's key instead
+        key, field_ = next(((k, f) for k, f in _GATE_FIELDS.items() if str(e).startswith(f + " ")), ("gate", ""))
+        raise TenantsError(f"{where}: remap.{key}{str(e)[len(field_):]}") from None
+
+
+def _parse_remap(d: dict, where: str) -> tuple[tuple[tuple[str, str], ...], str | None, float | None, GateConfig | None]:
     from policies.remap import REMAP_POLICIES
 
     templates = d.get("templates") or {}
@@ -96,14 +140,15 @@ def _parse_remap(d: dict, where: str) -> tuple[tuple[tuple[str, str], ...], str 
                                                   for k, v in templates.items()):
         raise TenantsError(f"{where}: templates must map template ids to non-empty template texts")
     remap = d.get("remap") or {}
-    if not isinstance(remap, dict) or set(remap) - {"policy", "recompute_ratio"}:
-        raise TenantsError(f"{where}: remap must be a mapping with policy and recompute_ratio")
+    if not isinstance(remap, dict) or set(remap) - {"policy", "recompute_ratio", "gate", *_GATE_FIELDS}:
+        raise TenantsError(f"{where}: remap must be a mapping with policy, recompute_ratio, gate and the gate's "
+                           f"thresholds {sorted(_GATE_FIELDS)}")
     policy, r = remap.get("policy"), remap.get("recompute_ratio")
     if policy is not None and policy not in REMAP_POLICIES:
         raise TenantsError(f"{where}: remap.policy must be one of {sorted(REMAP_POLICIES)}")
     if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1):
         raise TenantsError(f"{where}: remap.recompute_ratio must be in [0, 1]")
-    return tuple(sorted(templates.items())), policy, None if r is None else float(r)
+    return tuple(sorted(templates.items())), policy, None if r is None else float(r), _parse_gate(remap, where)
 
 
 def _parse_tenant(d: object, defaults: Mapping) -> TenantConfig:
@@ -138,10 +183,11 @@ def _parse_tenant(d: object, defaults: Mapping) -> TenantConfig:
         workers = TenantShare(min_workers=w.get("min", 0), max_workers=w.get("max"))
     except (TypeError, ValueError) as e:
         raise TenantsError(f"{where}: {e}") from None
-    templates, remap_policy, recompute_ratio = _parse_remap(d, where)
+    templates, remap_policy, recompute_ratio, gate = _parse_remap(d, where)
     return TenantConfig(name=name, api_keys=tuple(keys), share_with=tuple(share), reuse=reuse,
                         priority=priority, cache=cache, limits=limits, workers=workers,
-                        templates=templates, remap_policy=remap_policy, recompute_ratio=recompute_ratio)
+                        templates=templates, remap_policy=remap_policy, recompute_ratio=recompute_ratio,
+                        quality_gate=gate)
 
 
 class Tenants:
@@ -209,6 +255,11 @@ class Tenants:
 
     def worker_shares(self) -> dict[TenantId, TenantShare]:
         return {t.name: t.workers for t in self.by_name.values()}
+
+    def quality_gates(self) -> dict[TenantId, GateConfig | None]:
+        """Per tenant its approximate-reuse quality gate (None: ungated), for the engine's
+        ``ApproxConfig.tenant_gates``."""
+        return {t.name: t.quality_gate for t in self.by_name.values()}
 
 
 def tenants_path(default: str | os.PathLike) -> Path:

@@ -7,6 +7,7 @@ import yaml
 
 from policies.autoscale import TenantShare
 from policies.eviction import TenantQuota
+from policies.remap import GateConfig
 from policies.tenancy import (Admission, Tenants, TenantsError, TokenBucket, read_tenants_file,
                               tenants_path)
 
@@ -77,6 +78,40 @@ def test_optional_fields_parse_into_policy_objects():
 def test_malformed_files_are_rejected_with_a_clear_message(data, words):
     with pytest.raises(TenantsError, match=words):
         Tenants.from_dict(data)
+
+
+def test_remap_quality_gate_knob_parses_per_tenant():
+    t = tenants({"name": "acme", "api_keys": ["a"], "reuse": "approximate",
+                 "remap": {"policy": "learnable", "recompute_ratio": 0.15, "min_agreement": 0.75,
+                           "calibration_samples": 8, "max_kl": 0.05, "recheck_every": 4, "ladder": [0.3, 0.5],
+                           "backoff_requests": 2000}},
+                {"name": "globex", "api_keys": ["g"], "remap": {"gate": False}},
+                {"name": "initech", "api_keys": ["i"]})
+    g = t.quality_gates()
+    assert g["acme"] == GateConfig(min_agreement=0.75, samples=8, max_kl=0.05, recheck_every=4, ladder=(0.3, 0.5),
+                                   backoff_requests=2000, max_backoff_requests=2000)
+    assert t["acme"].remap_policy == "learnable" and t["acme"].recompute_ratio == 0.15
+    assert g["globex"] is None  # explicitly ungated
+    assert g["initech"] == GateConfig()  # gated with the defaults unless switched off
+
+
+@pytest.mark.parametrize("remap, words", [
+    ({"min_agreement": 1.5}, "remap.min_agreement must be in"),
+    ({"min_agreement": 0}, "remap.min_agreement"),
+    ({"calibration_samples": 0}, "remap.calibration_samples must be an integer"),
+    ({"calibration_samples": 2.5}, "remap.calibration_samples"),
+    ({"max_kl": -0.1}, "remap.max_kl"),
+    ({"recheck_every": 0}, "remap.recheck_every"),
+    ({"ladder": 0.5}, "remap.ladder must be a list"),
+    ({"ladder": [0.5, "x"]}, "remap.ladder"),
+    ({"backoff_requests": 0}, "remap.backoff_requests"),
+    ({"gate": "yes"}, "remap.gate must be true or false"),
+    ({"gate": False, "min_agreement": 0.9}, "gate is false but"),
+    ({"samples": 4}, "remap must be a mapping"),
+])
+def test_remap_quality_gate_knob_rejects_bad_values(remap, words):
+    with pytest.raises(TenantsError, match=words):
+        tenants({"name": "a", "api_keys": ["k"], "remap": remap})
 
 
 def test_env_var_selects_the_file(tmp_path, monkeypatch):
