@@ -61,6 +61,18 @@ class PagedKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
+    @classmethod
+    def wrap_dense(cls, k: torch.Tensor, v: torch.Tensor) -> PagedKVCache:
+        """A cache over one sequence's dense KV ``[layers, n, kv_heads, head_dim]``: block size 1,
+        slot i = row i. It shares ``k``/``v``'s memory (no copy): writes land in them."""
+        if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype:
+            raise ValueError(f"dense KV must be two [layers, n, kv_heads, head_dim] tensors, got {k.shape} / {v.shape}")
+        cache = cls.__new__(cls)
+        cache.num_layers, cache.num_blocks, cache.block_size = k.shape[0], k.shape[1], 1
+        cache.num_kv_heads, cache.head_dim, cache.dtype = k.shape[2], k.shape[3], k.dtype
+        cache.k, cache.v = list(k.unbind(0)), list(v.unbind(0))
+        return cache
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()

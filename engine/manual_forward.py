@@ -1,14 +1,12 @@
-"""A forward over a HF Llama-family model with explicit, partial KV: some rows computed, the rest given.
+"""One sequence's forward over explicit, partial KV: some rows computed, the rest given.
 
-Why not ``ModelRunner``: its prefill chunk is one contiguous run of positions after a cached
-context. Remapping needs scattered queries (parameter tokens in the middle, recomputed template
-tokens anywhere), keys that mix given (reused) and fresh KV at every layer, arbitrary positions
-(Prompt Cache's gaps) and a set of computed rows that shrinks after a selection layer
-(CacheBlend). A hook in ``ModelRunner`` that accepted explicit query rows and a position mask
-per sequence would let the engine run this path in its batches.
-
-Numerics follow ``ModelRunner.forward`` (the same modules, ``apply_rope`` and SDPA), so with no
-given KV the logits equal a full prefill.
+Remapping needs scattered queries (parameter tokens in the middle, recomputed template tokens
+anywhere), keys that mix given (reused) and fresh KV at every layer, arbitrary positions (Prompt
+Cache's gaps) and a set of computed rows that shrinks after a selection layer (CacheBlend). This
+module is a thin wrapper over ``ModelRunner.forward``, the one forward implementation: the
+sequence's dense KV becomes a flat-slot cache (slot i = row i), the computed rows one
+``SeqSlice`` with a position mask (a row sees every row whose position is <= its own) and,
+for CacheBlend, a row filter. With no given KV the logits equal a full prefill.
 """
 
 from __future__ import annotations
@@ -17,9 +15,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from engine.model_runner import apply_rope
+from engine.kv_cache import PagedKVCache
+from engine.model_runner import ForwardBatch, ModelRunner, SeqSlice
 
 
 @dataclass
@@ -55,46 +53,31 @@ def partial_forward(
     select: Selector | None = None,
 ) -> tuple[torch.Tensor, SeqKV]:
     """Run ``rows`` (sorted indices into the sequence) through every layer; every other row's
-    K/V is taken from ``given`` (which must hold it, rotated at ``positions``). After layer
-    ``select_layer`` the computed rows shrink to ``rows[select(...)]``; the last row must stay.
+    K/V is taken from ``given`` (which must hold it, rotated at ``positions``; it is not
+    modified). After layer ``select_layer`` the computed rows shrink to ``rows[select(...)]``;
+    the last row must stay.
 
     A row attends to every row whose position is <= its own. Returns (logits of the last
     sequence row ``[vocab]``, the sequence's K/V with the computed rows filled in).
     """
-    n_layers, n_heads, n_kv, head_dim = model_dims(model)
     n = ids.shape[0]
+    if rows.numel() == 0 or int(rows[-1]) != n - 1:
+        raise ValueError("the last row must be computed (its logits are the output)")
+    n_layers, _, n_kv, head_dim = model_dims(model)
+    dtype = model.model.embed_tokens.weight.dtype
     if given is None:
         shape = (n_layers, n, n_kv, head_dim)
-        k_all, v_all = torch.zeros(shape), torch.zeros(shape)
+        k_all, v_all = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
     else:
-        k_all, v_all = given.k.clone(), given.v.clone()
-    inner = model.model
-    h = inner.embed_tokens(ids[rows])
-    cos, sin = inner.rotary_emb(h[None], positions[rows][None])
-    cos, sin = cos[0], sin[0]
-    scale = head_dim**-0.5
-    for layer_idx, layer in enumerate(inner.layers):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = attn.q_proj(x).view(-1, n_heads, head_dim)
-        k = attn.k_proj(x).view(-1, n_kv, head_dim)
-        v = attn.v_proj(x).view(-1, n_kv, head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_all[layer_idx, rows] = k
-        v_all[layer_idx, rows] = v
-        mask = positions[None, :] <= positions[rows][:, None]  # [R, n]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k_all[layer_idx].transpose(0, 1)[None], v_all[layer_idx].transpose(0, 1)[None],
-            attn_mask=mask, scale=scale, enable_gqa=True,
-        )[0].transpose(0, 1)
-        h = h + attn.o_proj(o.reshape(-1, n_heads * head_dim))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        if select is not None and layer_idx == select_layer:
-            keep = select(layer_idx, rows, k, v)
-            rows, h, cos, sin = rows[keep], h[keep], cos[keep], sin[keep]
-    if int(rows[-1]) != n - 1:
-        raise ValueError("the last row must be computed (its logits are the output)")
-    logits = model.lm_head(inner.norm(h[-1:])).float()[0]
+        k_all, v_all = given.k.to(dtype, copy=True), given.v.to(dtype, copy=True)
+    mask = positions[None, :] <= positions[rows][:, None]  # [R, n]
+    row_filter = None
+    if select is not None:
+        row_filter = lambda layer, k, v: select(layer, rows, k, v)  # noqa: E731
+    seq = SeqSlice(0, rows.shape[0], n, torch.arange(n), mask, select_layer if select else None, row_filter)
+    batch = ForwardBatch(ids[rows], positions[rows], rows, [seq], None, None, None, torch.tensor([rows.shape[0] - 1]))
+    runner = ModelRunner(model, PagedKVCache.wrap_dense(k_all, v_all), attention="sdpa")
+    logits = runner.forward(batch)[0]
     return logits, SeqKV(k_all, v_all, positions.clone())
 
 
@@ -109,7 +92,7 @@ def extend(model: torch.nn.Module, kv: SeqKV, token: int, position: int | None =
     """Decode one token after ``kv`` (at the next position unless given)."""
     pos = int(kv.positions.max()) + 1 if position is None else position
     n_layers, _, n_kv, head_dim = model_dims(model)
-    pad = torch.zeros(n_layers, 1, n_kv, head_dim)
+    pad = torch.zeros(n_layers, 1, n_kv, head_dim, dtype=kv.k.dtype)
     given = SeqKV(torch.cat([kv.k, pad], 1), torch.cat([kv.v, pad], 1), torch.cat([kv.positions, torch.tensor([pos])]))
     ids = torch.zeros(len(given), dtype=torch.long)
     ids[-1] = token

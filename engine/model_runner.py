@@ -153,7 +153,9 @@ def build_batch(
     return ForwardBatch(t(ids), t(pos), t(slots), prefills, decode_rows, decode_slots, decode_mask, t(logits_rows))
 
 
-def _filter_rows(layer_idx: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ForwardBatch]:
+def _filter_rows(
+    layer_idx: int, batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, ForwardBatch]:
     """Apply the row filters of ``layer_idx``: the batch rows that stay ([T'] into the current
     T rows) and the batch over them. A filtered slice's keys stay where they are: its causal rule
     becomes an explicit mask and an implicit context (ctx_slots None) its rows' slots."""

@@ -278,3 +278,119 @@ def test_identical_prompt_still_computes_its_suffix(tiny):
         res = remap_prefill(tiny.model, ids, kv, plan, r=r, suffix_start=len(ids) - 4)
         assert res.computed == 4 and res.plan.reused == len(ids) - 4
         torch.testing.assert_close(res.logits, ref, atol=1e-4, rtol=1e-4)
+
+
+# -- partial_forward is ModelRunner.forward over dense KV --------------------------------------
+
+def _reference_partial_forward(model, ids, positions, rows, given, select_layer=None, select=None):
+    """The layer loop partial_forward had before it ran on ModelRunner, in plain torch: an
+    independent reference for explicit rows, a position mask and a row filter."""
+    import torch.nn.functional as F
+
+    from engine.manual_forward import model_dims
+    from engine.model_runner import apply_rope
+
+    _, n_heads, n_kv, d = model_dims(model)
+    k_all, v_all, inner = given.k.clone(), given.v.clone(), model.model
+    with torch.no_grad():
+        h = inner.embed_tokens(ids[rows])
+        cos, sin = (t[0] for t in inner.rotary_emb(h[None], positions[rows][None]))
+        for i, layer in enumerate(inner.layers):
+            attn, x = layer.self_attn, layer.input_layernorm(h)
+            q = apply_rope(attn.q_proj(x).view(-1, n_heads, d), cos, sin)
+            k_all[i, rows] = apply_rope(attn.k_proj(x).view(-1, n_kv, d), cos, sin)
+            v_all[i, rows] = attn.v_proj(x).view(-1, n_kv, d)
+            mask = positions[None, :] <= positions[rows][:, None]
+            kv = [t[i].transpose(0, 1)[None] for t in (k_all, v_all)]
+            qt = q.transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qt, *kv, attn_mask=mask, scale=d**-0.5, enable_gqa=True)
+            h = h + attn.o_proj(o[0].transpose(0, 1).reshape(-1, n_heads * d))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if select is not None and i == select_layer:
+                keep = select(i, rows, k_all[i, rows], v_all[i, rows])
+                rows, h, cos, sin = rows[keep], h[keep], cos[keep], sin[keep]
+        return model.lm_head(inner.norm(h[-1:]))[0].float(), k_all, v_all
+
+
+def test_full_prefill_equals_model_runner_prefill(tiny):
+    from engine.kv_cache import PagedKVCache
+    from engine.manual_forward import full_prefill, model_dims
+    from engine.model_runner import ModelRunner, build_batch
+
+    ids = byte_tokenize("a paged prefill and a dense one agree")[0]
+    logits, kv = full_prefill(tiny.model, ids)
+    layers, _, n_kv, d = model_dims(tiny.model)
+    cache = PagedKVCache(layers, 4, 16, n_kv, d)
+    table = [2, 0, 3]  # scattered blocks
+    paged = ModelRunner(tiny.model, cache, attention="sdpa").forward(build_batch([(ids, 0, True, table)], 16))
+    torch.testing.assert_close(logits, paged[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, _hf_logits(tiny.model, ids), atol=1e-4, rtol=1e-4)
+    slots = torch.tensor([table[p // 16] * 16 + p % 16 for p in range(len(ids))])
+    for layer in range(layers):
+        torch.testing.assert_close(kv.k[layer], cache.k[layer][slots], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kv.v[layer], cache.v[layer][slots], atol=1e-5, rtol=1e-5)
+
+
+def test_scattered_rows_gapped_positions_and_row_filter_match_reference(tiny):
+    from engine.manual_forward import full_prefill, partial_forward
+
+    ids = byte_tokenize("Translate to French: the small cat\nFrench:")[0]
+    n = len(ids)
+    gapped = [p + 5 * (p >= 12) for p in range(n)]  # Prompt Cache style hole after row 11
+    _, given = full_prefill(tiny.model, byte_tokenize("Translate to German: a dog at home\nGerman:")[0][:n], gapped)
+    t_ids, pos = torch.tensor(ids), torch.tensor(gapped)
+    rows = torch.tensor([3, 7] + list(range(20, n)))
+    seen = []
+
+    def select(layer, rows_, k, v):
+        seen.append((layer, rows_.tolist(), k.shape, v.shape))
+        return torch.tensor([j for j in range(len(rows_)) if j % 3 == 0 or j == len(rows_) - 1])
+
+    for sel_layer, sel in ((None, None), (0, select)):
+        logits, kv = partial_forward(tiny.model, t_ids, pos, rows, given, sel_layer, sel)
+        ref_logits, ref_k, ref_v = _reference_partial_forward(tiny.model, t_ids, pos, rows, given, sel_layer, sel)
+        torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kv.k, ref_k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(kv.v, ref_v, atol=1e-5, rtol=1e-5)
+        assert not torch.equal(kv.k[1], given.k[1])  # computed rows were written, given left alone
+        assert torch.equal(kv.k[:, 0], given.k[:, 0]) and torch.equal(kv.positions, pos)
+    assert seen[0][:2] == (0, rows.tolist()) and seen[0][2] == seen[0][3] == (len(rows),) + tuple(given.k.shape[2:])
+    filtered, _ = partial_forward(tiny.model, t_ids, pos, rows, given, 0, select)
+    unfiltered, _ = partial_forward(tiny.model, t_ids, pos, rows, given)
+    assert not torch.allclose(filtered, unfiltered)  # the filter changed which rows later layers saw
+    with pytest.raises(ValueError, match="last row"):
+        partial_forward(tiny.model, t_ids, pos, rows[:-1], given)
+    with pytest.raises(ValueError, match="dropped"):
+        partial_forward(tiny.model, t_ids, pos, rows, given, 0, lambda *a: torch.tensor([0]))
+
+
+def test_row_filter_in_a_mixed_batch_leaves_other_sequences_alone(tiny):
+    """A filtered, masked slice between a plain prefill chunk and a decode: the other rows'
+    logits equal running them alone (their batch rows move when the filtered slice shrinks)."""
+    from engine.kv_cache import PagedKVCache
+    from engine.manual_forward import model_dims, partial_forward
+    from engine.model_runner import ModelRunner, SeqSlice, build_batch
+
+    layers, _, n_kv, d = model_dims(tiny.model)
+    a, b, c = (byte_tokenize(s)[0] for s in ("first sequence", "second, filtered", "decode me"))
+    tables = [[0], [1], [2]]
+
+    def run(chunks, filtered=False):
+        cache = PagedKVCache(layers, 3, 16, n_kv, d)
+        runner = ModelRunner(tiny.model, cache, attention="sdpa")
+        runner.forward(build_batch([(c[:-1], 0, False, tables[2])], 16))  # c's context, cached
+        batch = build_batch(chunks, 16)
+        if filtered:
+            s = batch.prefills[1]
+            keep = lambda layer, k, v: torch.tensor([1, 4, s.q_len - 1])  # noqa: E731
+            batch.prefills[1] = SeqSlice(s.q_start, s.q_len, s.ctx_len, None, None, 0, keep)
+        return runner.forward(batch)
+
+    mixed = run([(a, 0, True, tables[0]), (b, 0, True, tables[1]), (c[-1:], len(c) - 1, True, tables[2])], True)
+    alone = run([(a, 0, True, tables[0]), (c[-1:], len(c) - 1, True, tables[2])])
+    torch.testing.assert_close(mixed[[0, 2]], alone, atol=1e-5, rtol=1e-5)
+    # the filtered slice itself: dropped rows' later-layer keys are the fresh cache's zeros, as
+    # partial_forward's with no given KV
+    b_alone, _ = partial_forward(tiny.model, torch.tensor(b), torch.arange(len(b)), torch.arange(len(b)), None, 0,
+                                 lambda layer, rows, k, v: torch.tensor([1, 4, len(b) - 1]))
+    torch.testing.assert_close(mixed[1], b_alone, atol=1e-5, rtol=1e-5)
