@@ -27,6 +27,7 @@ from cluster.metrics import CONTENT_TYPE_LATEST, Metrics
 from cluster.pool import PoolConfig, WorkerPool, WorkerUnavailable
 from cluster.protocol import (DONE, ApiError, ChatBody, CompletionBody, Served, chunk, completion_response,
                               error_event, parse_body, usage)
+from engine.approx import ApproxConfig
 from engine.llm_engine import EngineConfig
 from engine.sequence import InvalidRequest, Request, SamplingParams
 from policies.autoscale import AutoscaleConfig
@@ -229,7 +230,8 @@ class KvmeshIngress:
         engine = EngineConfig(model=s.model, block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
                               max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                               device=device, dtype=s.dtype or ("float32" if device == "cpu" else "bfloat16"),
-                              tenant_quotas=self.tenants.eviction_quotas())
+                              tenant_quotas=self.tenants.eviction_quotas(),
+                              approx=ApproxConfig(tenant_gates=self.tenants.quality_gates()))
         self.pool = WorkerPool(PoolConfig(engine=engine, autoscale=s.autoscale(),
                                           shares=tuple(sorted(self.tenants.worker_shares().items())),
                                           worker_num_cpus=s.worker_num_cpus, worker_num_gpus=gpus,
