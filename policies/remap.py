@@ -539,10 +539,15 @@ class GateConfig:
     is served exactly and checked. ``backoff_requests``: a closed key serves this many requests
     exactly before it retries (doubling after each failed retry, up to
     ``max_backoff_requests``). ``max_check_tokens``: output positions a shadow check compares.
+
+    What a window proves: with ``min_agreement`` 1.0 a template whose approximate greedy output
+    differs from exact in a share p of requests opens with probability (1 - p) ** samples: with
+    16 samples 85% at p = 1%, 44% at 5%, 7% at 15%; with 4 samples already 52% at 15%.
+    Calibration costs compute (shadow checks), not quality: those requests are served exactly.
     """
 
     min_agreement: float = 1.0
-    samples: int = 4
+    samples: int = 16
     max_kl: float | None = None
     recheck_every: int = 8
     ladder: tuple[float, ...] = (0.5, 0.7)
