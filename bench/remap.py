@@ -22,7 +22,7 @@ summary counts requests per mode (approx / calibration / recheck / closed / no d
     nice -n 10 .venv/bin/python bench/remap.py            # ~7 min on 2 shared CPU cores (when not contended)
     nice -n 10 .venv/bin/python bench/remap.py --quick    # smoke run
     nice -n 10 .venv/bin/python bench/remap.py --prompts 24 --configs "gated,exact prefix"  # gate only
-Writes bench/results/remap.json and bench/results/remap_frontier.png.
+Writes bench/results/remap.json and bench/results/remap_frontier.png (``--out X.json``: X_frontier.png).
 """
 
 from __future__ import annotations
@@ -329,7 +329,7 @@ def report(rows, cfgs, args, model_name, elapsed, gates=None) -> None:
                               for k, g in (gates or {}).get(t, QualityGate()).snapshot().items() if k.startswith(row["config"] + "/"))
             print(f"  {row['config']:34s} {modes}; EM approx {em}; {final}")
     print(f"model {model_name}, {len(tasks)} tasks, elapsed {elapsed:.0f}s, machine {platform.machine()} x{os.cpu_count()}, 1 torch thread")
-    _plot(table, Path(args.out).with_name("remap_frontier.png"))
+    _plot(table, Path(args.out).with_name(Path(args.out).stem + "_frontier.png"))
 
 
 def _summary(rs: list[dict]) -> dict:
