@@ -51,15 +51,18 @@ class DonorPull:
 
 
 class Worker:
-    def __init__(self, worker_id: str, config: EngineConfig, pull_timeout_s: float = 30.0):
+    def __init__(self, worker_id: str, config: EngineConfig, pull_timeout_s: float = 30.0,
+                 pull_chunk_bytes: int = 8 << 20):
         self.worker_id = worker_id
         self.config = config
         self.engine = AsyncEngine(config)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.pull_timeout_s = pull_timeout_s
+        self.pull_chunk_bytes = pull_chunk_bytes
         self.faults: set[str] = set()  # test hook: "export" makes export_prefix fail
         self.router = None  # RouterClient when a router actor exists (reports measurements)
         self.donor_stats = {"pulled": 0, "failed": 0, "skipped": 0}
+        self.export_stats = {"calls": 0, "blocks": 0}  # export_prefix served to pulling peers
 
     def ready(self) -> dict:
         e = self.engine.engine
@@ -138,7 +141,10 @@ class Worker:
         """Blocks [start, end) of a prompt whose chain hashes the requester sends (object store)."""
         if "export" in self.faults:
             raise RuntimeError("simulated export failure")
-        return await self.engine.call(lambda e: e.export_prefix(chains, start_block, end_block))
+        data = await self.engine.call(lambda e: e.export_prefix(chains, start_block, end_block))
+        self.export_stats["calls"] += 1
+        self.export_stats["blocks"] += 0 if data is None else data.num_blocks
+        return data
 
     async def _pull(self, request: Request, pulls: tuple[Pull, ...]) -> tuple[int, int]:
         """(prompt tokens held locally before, tokens imported by pulls)."""
@@ -150,28 +156,47 @@ class Worker:
         local = await self.engine.call(lambda e: e.held_prefix_tokens(chains))
 
         async def one(p: Pull) -> int:
+            """Fetch [start, end) from the holder in chunks requested all at once: the holder
+            exports (gathers and seals) chunk i + 1 while chunk i is on the wire, and chunks are
+            imported in order as they arrive. A chunk that fails or comes back short ends the
+            pull: later blocks could not extend the prefix."""
             t0 = time.perf_counter()
-            ok, nbytes = False, 0
+            got = {"nbytes": 0, "seconds": 0.0, "imported": 0}
+            step = self._pull_chunk_blocks()
+            ranges = [(a, min(a + step, p.end_block)) for a in range(p.start_block, p.end_block, step)]
+            refs = [p.holder.export_prefix.remote(chains, a, b) for a, b in ranges]
+
+            async def fetch() -> None:
+                for (a, b), ref in zip(ranges, refs):
+                    data = await ref
+                    if data is None:
+                        return
+                    got["nbytes"] += data.nbytes
+                    got["seconds"] = time.perf_counter() - t0
+                    got["imported"] += await self.engine.call(
+                        lambda e, data=data, a=a: e.import_prefix(data, a, chains, request.tenant))
+                    if data.num_blocks < b - a:
+                        return
+
             try:
-                data = await asyncio.wait_for(_await(p.holder.export_prefix.remote(chains, p.start_block, p.end_block)),
-                                              self.pull_timeout_s)
-                if data is None:
-                    return 0
-                nbytes = data.nbytes
-                seconds = time.perf_counter() - t0
-                n = await self.engine.call(lambda e: e.import_prefix(data, p.start_block, chains, request.tenant))
-                ok = True
-                return n
-            except Exception as e:  # noqa: BLE001 - any failure: recompute those blocks
-                log.warning("pull of blocks %d-%d from %s failed: %r", p.start_block, p.end_block, p.holder_node, e)
-                return 0
-            finally:
-                if self.router is not None:
-                    self.router.report("report_transfer", p.holder_node, self.node_id, nbytes,
-                                       seconds if ok else time.perf_counter() - t0, ok)
+                await asyncio.wait_for(fetch(), self.pull_timeout_s)
+            except Exception as e:  # noqa: BLE001 - any failure: recompute the blocks not imported
+                log.warning("pull of blocks %d-%d from %s failed after %d tokens: %r", p.start_block, p.end_block,
+                            p.holder_node, got["imported"], e)
+            ok = got["nbytes"] > 0
+            if self.router is not None:
+                self.router.report("report_transfer", p.holder_node, self.node_id, got["nbytes"],
+                                   got["seconds"] if ok else time.perf_counter() - t0, ok)
+            return got["imported"]
 
         imported = await asyncio.gather(*(one(p) for p in pulls))
         return local, sum(imported)
+
+    def _pull_chunk_blocks(self) -> int:
+        """Blocks per pull chunk: ``pull_chunk_bytes`` of KV (at least one block)."""
+        c = self.engine.engine.cache
+        per_block = c.bytes_per_block(c.num_layers, self.config.block_size, c.num_kv_heads, c.head_dim, c.dtype)
+        return max(1, self.pull_chunk_bytes // per_block)
 
     async def prefetch(self, request: Request, pulls: tuple[Pull, ...]) -> int:
         """Import a prompt's prefix from holders without running the request (replication)."""
@@ -217,7 +242,8 @@ class Worker:
         await self.engine.abort(request_id)
 
     async def stats(self) -> dict:
-        return {**await self.engine.call(lambda e: e.stats()), "donor_pulls": dict(self.donor_stats)}
+        return {**await self.engine.call(lambda e: e.stats()), "donor_pulls": dict(self.donor_stats),
+                "exports": dict(self.export_stats)}
 
     # -- global prefix index (issue 4) -----------------------------------------------------
     async def snapshot(self) -> list[tuple[bytes, bytes | None, str | None]]:

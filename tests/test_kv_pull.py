@@ -168,3 +168,40 @@ def test_router_pulls_to_idle_node_and_falls_back_on_failure(tiny_model):
     finally:
         ray.shutdown()
         c.shutdown()
+
+
+@pytest.mark.ray
+def test_chunked_pull_imports_in_order_and_stops_at_the_first_missing_chunk(tiny_model):
+    """Pulls are fetched in chunks (here one block each, all requested at once): every chunk is
+    imported; when the holder lacks a chunk the pull ends there and the rest is recomputed;
+    outputs equal a recompute either way."""
+    import ray
+
+    from actors.worker import Pull, worker_actor_class
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        W = worker_actor_class(num_gpus=0, num_cpus=0)
+        holder, target = W.remote("h", CFG), W.remote("t", CFG, 30.0, 1)  # 1-byte chunks: 1 block each
+        ray.get([holder.ready.remote(), target.ready.remote()])
+        ray.get(holder.generate_all.remote(Request("warm", PREFIX + (9, 9), GREEDY, tenant="t1")))
+        prompt = PREFIX + (5, 6, 7)
+        outs = ray.get(target.generate_all.remote(Request("r", prompt, GREEDY, tenant="t1"), (Pull(holder, "n", 0, 4),)))
+        assert outs[-1].pulled_tokens == 64 and outs[-1].num_cached_tokens == 64
+        assert ids(outs) == reference(tiny_model, prompt)
+        assert ray.get(holder.stats.remote())["exports"] == {"calls": 4, "blocks": 4}
+        # a holder with only blocks 0-1 of another prompt: chunks 2-3 come back empty
+        other = tuple(t + 1 for t in PREFIX[:40])
+        ray.get(holder.generate_all.remote(Request("warm2", other[:33], GREEDY, tenant="t1")))
+        prompt2 = other + (4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4)
+        outs = ray.get(target.generate_all.remote(Request("r2", prompt2, GREEDY, tenant="t1"), (Pull(holder, "n", 0, 4),)))
+        assert outs[-1].pulled_tokens == 32
+        assert ids(outs) == reference(tiny_model, prompt2)
+        assert ray.get(holder.stats.remote())["exports"] == {"calls": 8, "blocks": 6}
+        stats = ray.get(target.stats.remote())
+        assert stats["free_blocks"] == stats["num_blocks"]  # imported blocks are cached, none pinned
+    finally:
+        if started:
+            ray.shutdown()
