@@ -164,15 +164,20 @@ class Worker:
             got = {"nbytes": 0, "seconds": 0.0, "imported": 0}
             step = self._pull_chunk_blocks()
             ranges = [(a, min(a + step, p.end_block)) for a in range(p.start_block, p.end_block, step)]
-            refs = [p.holder.export_prefix.remote(chains, a, b) for a, b in ranges]
+
+            async def arrive(a: int, b: int):  # the chunk and when it arrived (transfer time, not imports)
+                data = await p.holder.export_prefix.remote(chains, a, b)
+                return data, time.perf_counter() - t0
+
+            chunks = [asyncio.ensure_future(arrive(a, b)) for a, b in ranges]
 
             async def fetch() -> None:
-                for (a, b), ref in zip(ranges, refs):
-                    data = await ref
+                for (a, b), chunk in zip(ranges, chunks):
+                    data, arrived = await chunk
                     if data is None:
                         return
                     got["nbytes"] += data.nbytes
-                    got["seconds"] = time.perf_counter() - t0
+                    got["seconds"] = arrived
                     got["imported"] += await self.engine.call(
                         lambda e, data=data, a=a: e.import_prefix(data, a, chains, request.tenant))
                     if data.num_blocks < b - a:
@@ -183,6 +188,11 @@ class Worker:
             except Exception as e:  # noqa: BLE001 - any failure: recompute the blocks not imported
                 log.warning("pull of blocks %d-%d from %s failed after %d tokens: %r", p.start_block, p.end_block,
                             p.holder_node, got["imported"], e)
+            finally:
+                for chunk in chunks:  # chunks not consumed: stop waiting; mark errors as seen
+                    if chunk.done() and not chunk.cancelled():
+                        chunk.exception()
+                    chunk.cancel()
             ok = got["nbytes"] > 0
             if self.router is not None:
                 self.router.report("report_transfer", p.holder_node, self.node_id, got["nbytes"],
