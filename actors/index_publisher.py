@@ -114,7 +114,12 @@ def decode_message(payload: bytes) -> tuple[Batch, SlotUpdate]:
                 raise ValueError("slot fields must be strings")
             return SlotKey(t, c, dom(d)), sid, int(n), {"tenant": str(tenant)}
 
-        slot_events = tuple((int(k) == SLOT_ADDED, *slot(*rest)) for k, *rest in m.get("se", ()))
+        def slot_kind(k) -> bool:
+            if k not in (SLOT_ADDED, SLOT_REMOVED):
+                raise ValueError(f"unknown slot event kind {k!r}")
+            return k == SLOT_ADDED
+
+        slot_events = tuple((slot_kind(k), *slot(*rest)) for k, *rest in m.get("se", ()))
         ss = m.get("ss")
         slots = SlotUpdate(slot_events, None if ss is None else tuple(slot(*x) for x in ss))
         return Batch(str(m["w"]), int(m["s"]), int(m["bs"]), events, snapshot), slots

@@ -52,13 +52,14 @@ class DonorPull:
 
 class Worker:
     def __init__(self, worker_id: str, config: EngineConfig, pull_timeout_s: float = 30.0,
-                 pull_chunk_bytes: int = 8 << 20):
+                 pull_chunk_bytes: int = 8 << 20, donor_pull_timeout_s: float = 5.0):
         self.worker_id = worker_id
         self.config = config
         self.engine = AsyncEngine(config)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.pull_timeout_s = pull_timeout_s
         self.pull_chunk_bytes = pull_chunk_bytes
+        self.donor_pull_timeout_s = donor_pull_timeout_s  # all donor offers together: the request waits
         self.faults: set[str] = set()  # test hook: "export" makes export_prefix fail
         self.router = None  # RouterClient when a router actor exists (reports measurements)
         self.donor_stats = {"pulled": 0, "failed": 0, "skipped": 0}
@@ -120,10 +121,13 @@ class Worker:
             self.donor_stats["skipped"] += 1
             return False
         readable = (request.domain, *request.read_domains)
+        deadline = time.perf_counter() + self.donor_pull_timeout_s  # the request waits for this
         for p in offers[:2]:  # newest first; a second try if the first holder evicted it or failed
             t0 = time.perf_counter()
+            if t0 >= deadline:
+                break
             try:
-                payload = await asyncio.wait_for(_await(p.holder.export_donor.remote(p.slot_id)), self.pull_timeout_s)
+                payload = await asyncio.wait_for(_await(p.holder.export_donor.remote(p.slot_id)), deadline - t0)
                 if payload is None:
                     continue
                 if await self.engine.call(lambda e: e.import_donor(payload, readable)):

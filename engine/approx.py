@@ -34,17 +34,19 @@ none, so here it only changes donor choice (parameter similarity) and keeps devi
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.manual_forward import SeqKV, extend
 from engine.remap import RemapResult, remap_prefill
 from engine.sequence import Request
-from engine.slot_pool import Donor, DonorPayload, SlotPool
+from engine.slot_pool import Donor, DonorPayload, SlotPool, slot_class_of
 from policies.remap import (
-    REMAP_POLICIES, GateConfig, GateKey, Instance, Piece, QualityGate, RemapPlan, ShadowSample, Template,
+    REMAP_POLICIES, GateConfig, GateKey, GateState, Instance, Piece, QualityGate, RemapPlan, ShadowSample, Template,
     detect_template, detected_family_key, make_policy, query_suffix_start,
 )
 
@@ -119,7 +121,8 @@ class ApproxReuse:
         self.stats = {"approx_requests": 0, "donors_stored": 0, "no_donor": 0, "gate_exact": 0, "shadow_checks": 0,
                       "shadow_disagreements": 0, "shadow_skipped": 0, "shadow_dropped": 0, "shadow_errors": 0}
         self.gate = QualityGate()
-        self._families: OrderedDict[tuple[str, tuple[int, ...]], str] = OrderedDict()  # detected-template families
+        # detected-template families: (domain, sha256 of a prompt's ids) -> family key, LRU-bounded
+        self._families: OrderedDict[tuple[str, bytes], str] = OrderedDict()
 
     # -- templates ---------------------------------------------------------------------------
     def register_template(self, domain: str, template_id: str, text: str) -> None:
@@ -220,9 +223,9 @@ class ApproxReuse:
         """Gate key of an auto-detected template: the family of the matched donor (a donor
         without one founds it); the request joins it, so its own donation stays in it."""
         fams = self._families
-        dkey = (donor.domain, donor.token_ids)
+        dkey = (donor.domain, _ids_digest(donor.token_ids))
         fam = fams.get(dkey) or detected_family_key(donor.token_ids)
-        for k in (dkey, (request.domain, tuple(request.prompt_ids))):
+        for k in (dkey, (request.domain, _ids_digest(request.prompt_ids))):
             fams[k] = fam
             fams.move_to_end(k)
         while len(fams) > 16 * self.config.max_donors_per_domain:
@@ -236,10 +239,13 @@ class ApproxReuse:
         no template, prompt not an instance of it, or a local donor already fits)."""
         if request.reuse != "approximate" or request.template is None:
             return None
+        if self.config.gate_for(request.tenant) is not None \
+                and self.gate.state((request.domain, request.template)) == GateState.CLOSED:
+            return None  # the gate serves this template exactly for now: a donor would sit unused
         inst = self.instance(request)
         if inst is None:
             return None
-        want = repr(make_policy(request.remap_policy or self.config.policy).slot_key(inst))
+        want = slot_class_of(make_policy(request.remap_policy or self.config.policy).slot_key(inst), inst)
         held = any(d.template_id == request.template and d.slot_class == want
                    for d in self.pool.candidates((request.domain, *request.read_domains)))
         return None if held else want
@@ -338,6 +344,10 @@ def teacher_forced_agreement(model: torch.nn.Module, logits: torch.Tensor, kv: S
         if i + 1 < n:
             logits, kv = extend(model, kv, output_ids[i])
     return ShadowSample(agree == n, agree / n, kl, n)
+
+
+def _ids_digest(ids) -> bytes:
+    return hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).digest()
 
 
 def _wrap(tmpl: Template, before: str, after: str) -> Template:

@@ -243,9 +243,9 @@ class LLMEngine:
         logged, never raised into the loop (the key then simply stays served exactly)."""
         try:
             self.approx.shadow_check(job)
-        except (ValueError, RuntimeError, IndexError) as e:
+        except Exception:  # noqa: BLE001 - best effort: a bug here must not kill the engine loop
             self.approx.stats["shadow_errors"] += 1
-            logging.getLogger(__name__).warning("quality-gate shadow check of %s failed: %r", job.request.request_id, e)
+            logging.getLogger(__name__).exception("quality-gate shadow check of %s failed", job.request.request_id)
 
     def _queue_shadow(self, seq: Sequence) -> None:
         """Queue the quality-gate check of a finished shadowed request (bounded: oldest dropped)."""

@@ -38,11 +38,12 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 
 @functools.lru_cache(maxsize=4)
-def _context_mask(q_len: int, past: int, device: torch.device) -> torch.Tensor:
-    """Additive mask [q_len, past + q_len]: a chunk sees all ``past`` keys and itself causally.
-    Built once per shape (not once per layer): the 30 layers of a forward share it."""
+def _context_mask(q_len: int, past: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [q_len, past + q_len] in the queries' dtype (SDPA's CUDA kernels reject or
+    misread a bias of another dtype): a chunk sees all ``past`` keys and itself causally. Built
+    once per shape (not once per layer): the 30 layers of a forward share it."""
     visible = torch.ones(q_len, past + q_len, dtype=torch.bool, device=device).tril(diagonal=past)
-    return torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+    return torch.zeros(visible.shape, device=device, dtype=dtype).masked_fill_(~visible, float("-inf"))
 
 
 def attend_with_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, scale: float) -> torch.Tensor:
@@ -65,7 +66,7 @@ def attend_with_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past:
         lse = torch.logaddexp(l1, l2)
         return o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
     if L * (past + L) <= _MASK_CACHE_MAX:
-        mask = _context_mask(L, past, q.device)
+        mask = _context_mask(L, past, q.device, q.dtype)
     else:
         mask = torch.ones(L, past + L, dtype=torch.bool, device=q.device).tril(diagonal=past)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -86,7 +87,9 @@ class SeqSlice:
     Without ``mask`` the queries are the last ``q_len`` of ``ctx_len`` keys (causal, bottom-right
     aligned). With ``mask`` ([q_len, ctx_len] bool, True = visible) queries and keys may sit at any
     positions and slots; visibility is exactly the mask. With ``row_filter``, after layer
-    ``filter_layer`` only the rows it returns stay in the batch (logits rows must stay).
+    ``filter_layer`` only the rows it returns stay in the batch (logits rows must stay); in
+    later layers a dropped row's keys and values are whatever its slots hold, so the caller must
+    have written the KV it means there (``partial_forward`` writes the donor's KV).
     """
 
     q_start: int
@@ -230,8 +233,9 @@ class ModelRunner:
         cos, sin = model.rotary_emb(h[None], batch.positions[None])
         cos, sin = cos[0], sin[0]
         filter_layers = {s.filter_layer for s in batch.prefills if s.row_filter is not None}
-        # flash-attn's varlen kernel knows only the causal rule: masked slices take SDPA
-        flash = self.attention == "flash" and all(s.mask is None for s in batch.prefills)
+        # flash-attn's varlen kernel knows only the causal rule: masked or row-filtered slices (a
+        # filter turns its slice into a masked one) take SDPA for the whole batch
+        flash = self.attention == "flash" and all(s.mask is None and s.row_filter is None for s in batch.prefills)
         for layer_idx, layer in enumerate(self.layers):
             residual = h
             x = layer.input_layernorm(h)

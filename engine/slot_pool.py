@@ -62,8 +62,20 @@ class Donor:
 
     @property
     def slot_class(self) -> str | None:
-        """The policy's slot key as a stable string (its repr), None without a template."""
-        return None if self.slot_key is None else repr(self.slot_key)
+        """The policy's slot key and the template's text as a stable string, None without a
+        template (see ``slot_class_of``)."""
+        return None if self.slot_key is None else slot_class_of(self.slot_key, self.instance)
+
+
+def slot_class_of(slot_key: Hashable, instance: Instance | None) -> str:
+    """``repr(slot_key)`` plus a digest of the instance's template pieces (its text inside the
+    prompt's wrapper): a donor can only serve an instance of the very same template
+    (``choose_donor`` compares templates), so two templates sharing an id (another chat wrapper,
+    another tenant's text) must not look like the same slot class to routing."""
+    if instance is None:
+        return repr(slot_key)
+    digest = hashlib.sha256(repr(instance.template.pieces).encode()).hexdigest()[:16]
+    return f"{slot_key!r}#{digest}"
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from typing import Callable, Hashable, Sequence
@@ -654,11 +655,16 @@ class QualityGate:
 
     Invariants: a key is OPEN only if its window holds ``samples`` checks at its current r that
     pass; samples measured at another r than the key's current one are ignored (stale: taken
-    before an escalation); keys never share state. Pure bookkeeping: no torch, no clock.
+    before an escalation); keys never share state; at most ``max_keys`` keys are kept (least
+    recently decided forgotten first: a forgotten key calibrates again, it never opens without
+    checks). Pure bookkeeping: no torch, no clock.
     """
 
-    def __init__(self) -> None:
-        self._keys: dict[GateKey, _Key] = {}
+    def __init__(self, max_keys: int = 4096) -> None:
+        if max_keys < 1:
+            raise ValueError("max_keys must be >= 1")
+        self.max_keys = max_keys
+        self._keys: OrderedDict[GateKey, _Key] = OrderedDict()
 
     def decide(self, key: GateKey, config: GateConfig, r0: float) -> GateDecision:
         """The next request of ``key`` (which has a donor). ``config`` and ``r0`` (the tenant's
@@ -666,6 +672,9 @@ class QualityGate:
         k = self._keys.get(key)
         if k is None:
             k = self._keys[key] = _Key(config, config.rungs(r0))
+            while len(self._keys) > self.max_keys:
+                self._keys.popitem(last=False)
+        self._keys.move_to_end(key)
         if k.state == GateState.OPEN:
             k.since_check += 1
             if k.since_check >= k.config.recheck_every:

@@ -236,3 +236,17 @@ def test_attention_with_context_equals_masked_sdpa(new, past):
     mask = torch.ones(new, past + new, dtype=torch.bool).tril(diagonal=past)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
     torch.testing.assert_close(attend_with_context(q, k, v, past, 0.25), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_mask_follows_the_query_dtype():
+    """The cached additive mask is built in q's dtype (CUDA SDPA rejects or misreads a float32
+    bias with bf16 queries); bf16 results stay close to the fp32 ones."""
+    from engine.model_runner import attend_with_context
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 6, 16, generator=g)
+    k, v = torch.randn(1, 2, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
+    ref = attend_with_context(q, k, v, 34, 0.25)
+    out = attend_with_context(q.bfloat16(), k.bfloat16(), v.bfloat16(), 34, 0.25)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)

@@ -263,3 +263,32 @@ def test_tenant_gates_override_the_default(tiny_model):
     run(eng, treq(eng, "a", TEXTS[0]))
     assert run(eng, treq(eng, "b", TEXTS[1]))[1].num_approx_tokens > 0  # acme is ungated
     assert eng.approx.gate.snapshot() == {}
+
+
+def test_a_failing_shadow_check_never_kills_the_engine(tiny_model, monkeypatch):
+    """A bug in the best-effort check (any exception type) is counted and logged; the engine
+    keeps serving and the key simply stays calibrating."""
+    def boom(*a, **k):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(approx_mod, "teacher_forced_agreement", boom)
+    eng = engine(tiny_model, GateConfig(samples=2))
+    for i, t in enumerate(TEXTS[:3]):
+        run(eng, treq(eng, f"r{i}", t))
+    assert eng.approx.stats["shadow_errors"] == 2
+    assert eng.approx.gate.state(K) == GateState.CALIBRATING
+    assert_clean(eng)
+
+
+def test_gate_keeps_at_most_max_keys_and_a_forgotten_key_recalibrates():
+    gate, cfg = QualityGate(max_keys=2), GateConfig(samples=1, recheck_every=100)
+    a, b, c = ("acme", "a"), ("acme", "b"), ("acme", "c")
+    calibrate(gate, a, cfg, 0.3, [AGREE])
+    assert gate.state(a) == GateState.OPEN
+    calibrate(gate, b, cfg, 0.3, [AGREE])
+    gate.decide(a, cfg, 0.3)  # a is now the most recently used
+    calibrate(gate, c, cfg, 0.3, [AGREE])  # evicts b
+    assert gate.state(b) is None and gate.state(a) == GateState.OPEN and gate.state(c) == GateState.OPEN
+    assert not gate.decide(b, cfg, 0.3).approximate  # forgotten: calibrates again, never opens unchecked
+    with pytest.raises(ValueError):
+        QualityGate(max_keys=0)

@@ -212,3 +212,31 @@ def test_donor_found_in_index_and_pulled_by_another_worker(tiny_model):
         assert len(left) == 1
     finally:
         ray.shutdown()
+
+
+def test_slot_class_tells_templates_with_the_same_id_apart(tiny_model):
+    """A donor of template "sent" inside another wrapper (or another tenant's text under the same
+    id) cannot serve a plain instance (``choose_donor`` compares templates), so it must not count
+    as holding that slot class: the worker would never pull a usable donor."""
+    eng = engine(tiny_model)
+    tok = eng.tokenizer
+    wrapped = "System: be brief.\nUser: " + T.replace("{text}", A)
+    run(eng, Request("w", encode(tok, wrapped), greedy(), tenant="acme", reuse="approximate", template="sent",
+                     template_text=T, template_params={"text": A}))
+    assert len(eng.approx.pool) == 1
+    plain = treq(tok, "p", B)
+    want = eng.needed_slot_class(plain)
+    assert want is not None and want != next(iter(eng.approx.pool)).slot_class
+    assert eng.approx.match(plain) is None  # indeed unusable here
+    run(eng, treq(tok, "p0", A))  # a plain donor of the same slot class: now held
+    assert eng.needed_slot_class(treq(tok, "p1", B)) is None
+
+
+def test_decode_rejects_an_unknown_slot_event_kind():
+    import msgpack
+
+    payload = encode_batch("w", 1, BS, [], slot_events=[SlotEvent("added", "t", "c", "acme", "s", 3, "acme")])
+    m = msgpack.unpackb(payload, raw=False)
+    m["se"][0][0] = 7
+    with pytest.raises(ValueError, match="slot event kind"):
+        decode_message(msgpack.packb(m, use_bin_type=True))
