@@ -2,15 +2,17 @@
 
 ``serve run cluster/serve.yaml`` calls ``build_app(args)`` with the ``args`` of the YAML file
 (see ``AppSettings`` for the fields). The ingress authenticates (API key → tenant), validates,
-applies the chat template, tokenizes, enforces per-tenant limits and streams tokens from a worker
-chosen by the pool's router. Workers are plain Ray actors owned by the ingress's
-``cluster.pool.WorkerPool`` (see there for why), so the ingress runs as one replica.
+applies the chat template and tokenizes, then leases a worker from the app's controller actor
+(``cluster.controller``: admission, routing, the worker pool) and streams tokens straight from that
+worker. Workers are plain Ray actors owned by the controller's ``cluster.pool.WorkerPool`` (see
+there for why); ingress replicas hold no pool state, so the deployment may run several replicas.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the real Request annotation
 # through Serve's ingress wrapper.
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, fields
@@ -24,14 +26,15 @@ from ray.serve import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.metrics import CONTENT_TYPE_LATEST, Metrics
-from cluster.pool import PoolConfig, WorkerPool, WorkerUnavailable
+from cluster.controller import ControllerClient, Rejected
+from cluster.pool import PoolConfig, WorkerUnavailable
 from cluster.protocol import (DONE, ApiError, ChatBody, CompletionBody, Served, chunk, completion_response,
                               error_event, parse_body, usage)
 from engine.approx import ApproxConfig
 from engine.llm_engine import EngineConfig
 from engine.sequence import InvalidRequest, Request, SamplingParams
 from policies.autoscale import AutoscaleConfig
-from policies.tenancy import Admission, TenantConfig, Tenants, read_tenants_file, tenants_path
+from policies.tenancy import TenantConfig, Tenants, read_tenants_file, tenants_path
 
 log = logging.getLogger(__name__)
 EXAMPLE_TENANTS = Path(__file__).with_name("tenants.yaml")
@@ -59,6 +62,7 @@ class AppSettings:
     autoscale_interval_s: float = 1.0
     default_chat_max_tokens: int = 512  # chat requests without max_tokens: min(this, room left)
     ready_timeout_s: float = 600.0
+    client_ttl_s: float = 30.0  # an ingress replica silent this long is presumed dead (its leases reclaimed)
 
     @classmethod
     def from_args(cls, args):
@@ -86,6 +90,23 @@ def load_tokenizer(spec: str):
 
     name, path = resolve_model_dir(spec)
     return name, AutoTokenizer.from_pretrained(path)
+
+
+def pool_config(s: AppSettings, tenants: Tenants) -> PoolConfig:
+    """The controller's pool configuration (GPUs per worker resolved against the running cluster)."""
+    import ray
+
+    gpus = s.worker_num_gpus
+    if gpus is None:
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    device = s.device or ("cuda" if gpus else "cpu")
+    engine = EngineConfig(model=s.model, block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
+                          max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                          device=device, dtype=s.dtype or ("float32" if device == "cpu" else "bfloat16"),
+                          tenant_quotas=tenants.eviction_quotas(),
+                          approx=ApproxConfig(tenant_gates=tenants.quality_gates()))
+    return PoolConfig(engine=engine, autoscale=s.autoscale(), shares=tuple(sorted(tenants.worker_shares().items())),
+                      worker_num_cpus=s.worker_num_cpus, worker_num_gpus=gpus, ready_timeout_s=s.ready_timeout_s)
 
 
 def build_app(args: dict) -> Application:
@@ -122,7 +143,7 @@ def _bearer(req: HttpRequest) -> str | None:
 
 
 class _Ctx:
-    """One admitted request being answered; releases its admission exactly once."""
+    """One admitted request being answered; closes its stream (ending the lease) exactly once."""
 
     def __init__(self, ing: "KvmeshIngress", tenant: str, endpoint: str, request: Request, chat: bool, worker: str,
                  route: str, stream, first, include_usage: bool):
@@ -161,7 +182,6 @@ class _Ctx:
             raise _as_api_error(e) from None
         finally:
             await self.stream.aclose()
-            self.ing.admission.release(self.tenant)
             self._done(last if code == 200 else None, code)
         use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
         return completion_response(self.request.request_id, self.model, "".join(text), last.finish_reason, use,
@@ -195,7 +215,6 @@ class _Ctx:
             raise
         finally:
             await self.stream.aclose()
-            self.ing.admission.release(self.tenant)
             self._done(last if code == 200 else None, code)
 
 
@@ -217,52 +236,39 @@ class KvmeshIngress:
     async def __init__(self, settings: dict, tenants_data: dict):
         self.settings = s = AppSettings(**settings)
         self.tenants = Tenants.from_dict(tenants_data)
-        self.admission = Admission(self.tenants)
         self.model_name, self.tokenizer = load_tokenizer(s.model)
         self.metrics = Metrics(self.tenants.names())
-        self.templates: dict[tuple[str, str], str] = {}  # (tenant, id) -> text, POST /v1/templates
-        import ray
+        # One controller per app, shared by all ingress replicas (the first one creates it).
+        self.pool = ControllerClient(serve.get_replica_context().app_name, pool_config(s, self.tenants), tenants_data,
+                                     s.client_ttl_s)
+        await self.pool.connect()
+        info = await self.pool.wait_ready(s.ready_timeout_s)
+        self.max_model_len = int(info["max_model_len"])
 
-        gpus = s.worker_num_gpus
-        if gpus is None:
-            gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-        device = s.device or ("cuda" if gpus else "cpu")
-        engine = EngineConfig(model=s.model, block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
-                              max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-                              device=device, dtype=s.dtype or ("float32" if device == "cpu" else "bfloat16"),
-                              tenant_quotas=self.tenants.eviction_quotas(),
-                              approx=ApproxConfig(tenant_gates=self.tenants.quality_gates()))
-        self.pool = WorkerPool(PoolConfig(engine=engine, autoscale=s.autoscale(),
-                                          shares=tuple(sorted(self.tenants.worker_shares().items())),
-                                          worker_num_cpus=s.worker_num_cpus, worker_num_gpus=gpus,
-                                          ready_timeout_s=s.ready_timeout_s))
-        await self.pool.start()
-        if not await self.pool.wait_ready(s.ready_timeout_s):
-            raise RuntimeError(self.pool.error or "no worker became ready")
-        self.max_model_len = int(self.pool.model_info()["max_model_len"])
+    async def __del__(self):  # Serve calls it when the replica stops: the last one stops the workers
+        await self.pool.close()
 
-    async def check_health(self):  # Serve's replica health check
-        if not self.pool.workers:
-            raise RuntimeError(self.pool.error or "no workers")
+    async def check_health(self):  # Serve's replica health check (reconnects to a new controller if it died)
+        h = await self.pool.call("health")
+        if not h["workers"]:
+            raise RuntimeError(h["error"] or "no workers")
 
     # -- plain routes --------------------------------------------------------------------------
     @app.get("/health")
     async def health(self):
-        ready = sum(1 for w in self.pool.workers.values() if w.routable)
+        try:
+            ready = (await self.pool.call("health"))["ready"]
+        except Exception:  # noqa: BLE001 - controller unreachable: not ready
+            ready = 0
         status = 200 if ready else 503
         return JSONResponse({"status": "ok" if ready else "starting", "workers_ready": ready,
                              "model": self.model_name}, status_code=status)
 
     @app.get("/metrics")
     async def metrics(self):
-        states: dict[str, int] = {"ready": 0, "starting": 0, "draining": 0}
-        assigned: dict[str, int] = {}
-        for w in self.pool.workers.values():
-            states["draining" if w.draining else "ready" if w.info else "starting"] += 1
-            if w.tenant and not w.draining:
-                assigned[w.tenant] = assigned.get(w.tenant, 0) + 1
-        text = self.metrics.render(self.pool.queue_depth(), dict(self.admission.inflight), states, assigned,
-                                   await self.pool.router_metrics())
+        snap = await self.pool.call("metrics_snapshot")
+        text = self.metrics.render(snap["queue_depth"], snap["inflight"], snap["states"], snap["assigned"],
+                                   snap["router"])
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -275,14 +281,13 @@ class KvmeshIngress:
     async def workers(self, req: HttpRequest):
         """Pool and engine state per worker (any valid key)."""
         self._auth(req)
-        d = self.pool.last_decision
-        return {"workers": await self.pool.stats(),
-                "target": d.target if d else None, "allocation": dict(d.allocation) if d else {}}
+        return await self.pool.call("workers_view")
 
     @app.post("/v1/templates")
     async def register_template(self, req: HttpRequest):
         """Register ``{"id": ..., "template": "text with {param}"}`` for the caller's tenant
-        (this ingress replica; the text travels with each request, so workers need no copy)."""
+        (kept by the controller for every replica; the text travels with each request, so workers
+        need no copy)."""
         from policies.remap import Template
 
         tenant = self._auth(req)
@@ -295,11 +300,12 @@ class KvmeshIngress:
         tid, text = (body.get("id"), body.get("template")) if isinstance(body, dict) else (None, None)
         if not (isinstance(tid, str) and tid and isinstance(text, str) and text):
             raise ApiError(400, 'expected {"id": "<template id>", "template": "text with {param} spans"}')
-        self.templates[(tenant.name, tid)] = text
-        return {"object": "template", "id": tid, "tenant": tenant.name, "params": list(Template.parse(tid, text).params)}
+        params = list(Template.parse(tid, text).params)
+        await self.pool.call("register_template", tenant.name, tid, text)
+        return {"object": "template", "id": tid, "tenant": tenant.name, "params": params}
 
-    def _template(self, tenant: TenantConfig, tid: str) -> str:
-        text = self.templates.get((tenant.name, tid)) or dict(tenant.templates).get(tid)
+    async def _template(self, tenant: TenantConfig, tid: str) -> str:
+        text = dict(tenant.templates).get(tid) or await self.pool.call("template", tenant.name, tid)
         if text is None:
             raise ApiError(400, f"unknown template {tid!r} for tenant {tenant.name!r}", param="kvmesh.template")
         return text
@@ -335,7 +341,7 @@ class KvmeshIngress:
         text = p[0] if isinstance(p, list) and p else p if isinstance(p, str) else ""
         return list(tok.encode(text, add_special_tokens=True))
 
-    def _build(self, tenant: TenantConfig, body, chat: bool) -> Request:
+    async def _build(self, tenant: TenantConfig, body, chat: bool) -> Request:
         if body.model not in (self.model_name, "default"):
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            code="model_not_found", param="model")
@@ -361,7 +367,7 @@ class KvmeshIngress:
         tid = body.kvmesh.template if body.kvmesh else None
         approx = {}
         if tid is not None:
-            approx = {"template": tid, "template_text": self._template(tenant, tid),
+            approx = {"template": tid, "template_text": await self._template(tenant, tid),
                       "template_params": dict(body.kvmesh.params or {})}
         return Request(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_ids=tuple(ids), params=params,
                        tenant=tenant.name, share_domain=self.tenants.share_domain(tenant.name), reuse=reuse,
@@ -375,23 +381,21 @@ class KvmeshIngress:
             tenant = self._auth(req)
             tenant_name = tenant.name
             body = parse_body(await req.body(), ChatBody if chat else CompletionBody)
-            request = self._build(tenant, body, chat)
-            decision = self.admission.admit(tenant.name, time.monotonic())
-            if not decision.ok:
-                self.metrics.rejected.labels(tenant=tenant.name, reason=decision.reason).inc()
-                raise ApiError(429, f"tenant {tenant.name!r} is over its {decision.reason} limit; retry later",
-                               type_="requests", code="rate_limit_exceeded",
-                               headers={"Retry-After": decision.retry_after_header})
+            request = await self._build(tenant, body, chat)
         except ApiError as e:
             self.metrics.requests.labels(tenant=tenant_name, endpoint=endpoint, code=str(e.status)).inc()
             raise
         t0 = time.perf_counter()
-        stream = self.pool.generate(request)
+        stream = self.pool.generate(request)  # admission + routing by the controller, then the worker's stream
         try:
             ws, choice, first = await stream.__anext__()  # errors before the first token → 4xx/5xx
         except BaseException as e:
             await stream.aclose()
-            self.admission.release(tenant.name)
+            if isinstance(e, Rejected):
+                self.metrics.rejected.labels(tenant=tenant.name, reason=e.reason).inc()
+                e = ApiError(429, f"tenant {tenant.name!r} is over its {e.reason} limit; retry later",
+                             type_="requests", code="rate_limit_exceeded",
+                             headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))})
             if not isinstance(e, Exception):  # cancelled: the client went away before the first token
                 self.metrics.requests.labels(tenant=tenant.name, endpoint=endpoint, code="499").inc()
                 raise

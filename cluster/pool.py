@@ -1,7 +1,8 @@
 """The worker pool: plain Ray worker actors, a routing hook, tenant autoscaling.
 
 Workers are plain Ray actors (``actors.worker``), one per GPU when the cluster has GPUs, created
-and removed by the pool; Serve runs only the HTTP ingress, which owns one pool. Why plain actors
+and removed by the pool; the pool lives in the app's controller actor (``cluster.controller``),
+which leases workers to the Serve ingress replicas. Why plain actors
 rather than a Serve deployment of workers: a KV pull needs worker-to-worker calls to a *named*
 holder and requests sent to a chosen target worker; plain actor handles give both directly, while
 Serve replicas are reachable only through a handle's router. Ray's cluster autoscaler adds GPU
@@ -17,8 +18,9 @@ the target and assigns workers to tenants by the allocation. A tenant's requests
 workers assigned to it; a tenant with no assignment uses unassigned workers (or any worker).
 Draining workers finish their requests and are then killed.
 
-Invariants: a worker's ``inflight``/``inflight_tokens`` count the pool's open streams on it; a
-draining or dead worker is never chosen; a stream that ends early (client gone, error) cancels
+Invariants: a worker's ``inflight``/``inflight_tokens`` count the requests ``acquire``d on it
+and not yet ``release``d (``generate`` does both around its stream); a draining or dead worker
+is never chosen; a stream that ends early (client gone, error) cancels
 the worker's generator, which aborts the request there and frees its blocks.
 """
 
@@ -35,7 +37,7 @@ import ray
 
 from actors.worker import worker_actor_class
 from engine.llm_engine import EngineConfig
-from engine.sequence import Request, RequestOutput
+from engine.sequence import InvalidRequest, Request, RequestOutput
 from policies.autoscale import AutoscaleConfig, ScaleDecision, TenantAutoscaler, TenantDemand, TenantShare
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,10 @@ log = logging.getLogger(__name__)
 
 class WorkerUnavailable(RuntimeError):
     """No worker could take the request (none ready, or the chosen one died)."""
+
+
+class WorkerDied(WorkerUnavailable):
+    """The worker serving a stream died (its actor is gone)."""
 
 
 @dataclass(eq=False)
@@ -104,6 +110,8 @@ class _Flight:
     max_tokens: int
     output_tokens: int = 0
     started: bool = False
+    route: str = "local"  # planned route (reported with the measured TTFT)
+    expected_ttft_s: float | None = None
 
     @property
     def cost(self) -> int:
@@ -314,12 +322,14 @@ class WorkerPool:
         shared = [w for w in ready if w.tenant is None]
         return shared or ready
 
-    async def generate(self, request: Request, ready_timeout_s: float = 60.0
-                       ) -> AsyncIterator[tuple[WorkerState, RouteChoice, RequestOutput]]:
-        """Stream a request's outputs from the chosen worker. Closing the iterator early cancels
-        the request on the worker (its blocks are freed)."""
+    async def acquire(self, request: Request, ready_timeout_s: float = 60.0) -> tuple[WorkerState, RouteChoice]:
+        """Route a request and count it on the chosen worker: it stays in flight (demand, the
+        worker's ``inflight``) until ``release``. On any error nothing stays counted."""
+        rid = request.request_id
+        if rid in self._flights:
+            raise InvalidRequest(f"request id {rid!r} is already in flight")
         flight = _Flight(request.tenant, "", len(request.prompt_ids), request.params.max_tokens)
-        self._flights[request.request_id] = flight  # demand while we wait (scale from zero) and choose
+        self._flights[rid] = flight  # demand while we wait (scale from zero) and choose
         try:
             if not self._ready.is_set() and not await self.wait_ready(ready_timeout_s):
                 raise WorkerUnavailable(self.error or "no worker is ready yet")
@@ -330,41 +340,60 @@ class WorkerPool:
             ws = self.workers.get(choice.worker_id)
             if ws is None or not ws.routable:
                 raise WorkerUnavailable(f"router chose unavailable worker {choice.worker_id!r}")
-            flight.worker_id = ws.worker_id
-            ws.inflight += 1
-            ws.inflight_tokens += flight.cost
-            finished = False
-            t_start = time.monotonic()
-            gen = ws.actor.generate.remote(request, choice.pulls, choice.donor_pulls)
-            try:
-                async for ref in gen:
-                    try:
-                        out: RequestOutput = await ref
-                    except ray.exceptions.RayActorError as e:
-                        self._mark_dead(ws)
-                        raise WorkerUnavailable(f"worker {ws.worker_id} died: {e}") from None
-                    if not flight.started and choice.expected_ttft_s is not None and self._router_client is not None:
-                        self._router_client.report("report_outcome", out.route or choice.route,
-                                                   choice.expected_ttft_s, time.monotonic() - t_start)
-                    flight.started = True
-                    flight.output_tokens = out.num_output_tokens
-                    finished = out.finished
-                    yield ws, choice, out
-                    if finished:
-                        return
-            finally:
-                ws.inflight -= 1
-                ws.inflight_tokens -= flight.cost
-                if not finished:
-                    ray.cancel(gen)
-                    try:
-                        ws.actor.abort.remote(request.request_id)  # fire and forget
-                    except Exception:  # noqa: BLE001 - worker gone: nothing to free
-                        pass
-                if ws.draining and ws.inflight == 0:
-                    self._kill(ws)
+        except BaseException:
+            self._flights.pop(rid, None)
+            raise
+        flight.worker_id, flight.route, flight.expected_ttft_s = ws.worker_id, choice.route, choice.expected_ttft_s
+        ws.inflight += 1
+        ws.inflight_tokens += flight.cost
+        return ws, choice
+
+    def mark_started(self, request_id: str, route: str | None, ttft_s: float | None, output_tokens: int = 1) -> None:
+        """The request's first output arrived ``ttft_s`` after dispatch: report the router's
+        prediction error once, and count the request as running."""
+        f = self._flights.get(request_id)
+        if f is None:
+            return
+        if not f.started and f.expected_ttft_s is not None and ttft_s is not None and self._router_client is not None:
+            self._router_client.report("report_outcome", route or f.route, f.expected_ttft_s, ttft_s)
+        f.started = True
+        f.output_tokens = max(f.output_tokens, output_tokens)
+
+    def progress(self, request_id: str, output_tokens: int) -> None:
+        """Output tokens produced so far (running demand shrinks as a request nears max_tokens)."""
+        f = self._flights.get(request_id)
+        if f is not None:
+            f.output_tokens = max(f.output_tokens, output_tokens)
+
+    def release(self, request_id: str, worker_dead: bool = False) -> None:
+        """End an ``acquire``d request (idempotent). ``worker_dead``: its worker died mid-stream."""
+        f = self._flights.pop(request_id, None)
+        ws = self.workers.get(f.worker_id) if f is not None and f.worker_id else None
+        if ws is None:
+            return
+        ws.inflight -= 1
+        ws.inflight_tokens -= f.cost
+        if worker_dead:
+            self._mark_dead(ws)
+        elif ws.draining and ws.inflight == 0:
+            self._kill(ws)
+
+    async def generate(self, request: Request, ready_timeout_s: float = 60.0
+                       ) -> AsyncIterator[tuple[WorkerState, RouteChoice, RequestOutput]]:
+        """Stream a request's outputs from the chosen worker. Closing the iterator early cancels
+        the request on the worker (its blocks are freed)."""
+        ws, choice = await self.acquire(request, ready_timeout_s)
+        dead = False
+        t_start = time.monotonic()
+        try:
+            async for out in stream_outputs(ws.actor, ws.worker_id, request, choice):
+                self.mark_started(request.request_id, out.route, time.monotonic() - t_start, out.num_output_tokens)
+                yield ws, choice, out
+        except WorkerDied:
+            dead = True
+            raise
         finally:
-            self._flights.pop(request.request_id, None)
+            self.release(request.request_id, worker_dead=dead)
 
     # -- introspection -----------------------------------------------------------------------
     async def stats(self, timeout_s: float = 2.0) -> list[dict]:
@@ -394,6 +423,34 @@ class WorkerPool:
             if not f.started:
                 out[f.tenant] = out.get(f.tenant, 0) + 1
         return out
+
+
+async def stream_outputs(actor, worker_id: str, request: Request, choice: RouteChoice) -> AsyncIterator[RequestOutput]:
+    """A routed request's outputs, straight from its worker actor. Closing the iterator before
+    the last output cancels the worker's generator and aborts the request there (its blocks are
+    freed); a dead worker raises ``WorkerDied``."""
+    finished = False
+    gen = actor.generate.remote(request, choice.pulls, choice.donor_pulls)
+    try:
+        async for ref in gen:
+            try:
+                out: RequestOutput = await ref
+            except ray.exceptions.RayActorError as e:
+                raise WorkerDied(f"worker {worker_id} died: {e}") from None
+            finished = out.finished
+            yield out
+            if finished:
+                return
+    finally:
+        if not finished:
+            try:
+                ray.cancel(gen)
+            except Exception:  # noqa: BLE001 - already finished or gone
+                pass
+            try:
+                actor.abort.remote(request.request_id)  # fire and forget
+            except Exception:  # noqa: BLE001 - worker gone: nothing to free
+                pass
 
 
 async def _aref(ref):

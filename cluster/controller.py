@@ -1,0 +1,439 @@
+"""The controller: one named actor per Serve app that owns the worker pool and the tenants' limits.
+
+Ingress replicas (``cluster/app.py``) are stateless HTTP front ends; the controller owns the
+``WorkerPool`` (workers, routing, tenant autoscaling, link probes), the in-flight accounting,
+admission (per-tenant rate and concurrency limits) and the templates registered over HTTP, so any
+number of ingress replicas share one set of workers and one set of limits. Tokens do not pass
+through the controller: per request a replica asks for a lease (``begin``: admission + the
+router's choice), streams the outputs straight from the leased worker actor, and reports the first
+output (``started``) and the end (``end``). Output-token progress rides on the heartbeats.
+
+Lifetime: named ``kvmesh-controller:<app>`` in namespace ``kvmesh``, detached, created by the
+first replica (``get_if_exists``); later replicas attach and must bring the same configuration
+(else ``ConfigMismatch``). Workers (and the router actor) are the controller's non-detached
+children, so they die with it. Each replica heartbeats every ``client_ttl_s / 5``; a replica
+silent for ``client_ttl_s`` is presumed dead and its leases are reclaimed (the worker aborts
+them). When no replica is attached (the last one detached in its ``__del__``, or the last one
+expired) the controller kills its workers and itself; a replica that comes later creates a fresh
+one.
+
+Invariants: every open lease belongs to exactly one attached client and holds one admission and
+one pool flight; ending a lease (``end``, ``detach``, expiry) releases both exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import ray
+
+from cluster.pool import PoolConfig, RouteChoice, WorkerDied, WorkerPool, WorkerUnavailable, stream_outputs
+from engine.sequence import InvalidRequest, Request, RequestOutput
+from policies.tenancy import Admission, Tenants
+
+log = logging.getLogger(__name__)
+NAMESPACE = "kvmesh"
+
+
+def controller_name(app: str) -> str:
+    return f"kvmesh-controller:{app}"
+
+
+class Rejected(Exception):
+    """Admission refused the request: the tenant is over its ``reason`` ("rate" | "concurrency") limit."""
+
+    def __init__(self, reason: str, retry_after_s: float):
+        super().__init__(reason, retry_after_s)
+        self.reason, self.retry_after_s = reason, retry_after_s
+
+
+class ControllerClosing(RuntimeError):
+    """The controller is stopping (its last client left); connect again for a fresh one."""
+
+
+class ConfigMismatch(ValueError):
+    """A replica brought another configuration than the one the controller runs with."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A request's claim on one worker: stream from ``actor``, then ``end`` the lease once."""
+
+    lease_id: str  # the request id
+    worker_id: str
+    actor: object  # ray ActorHandle of actors.worker.Worker
+    choice: RouteChoice
+
+
+@dataclass
+class _Client:
+    last_seen: float
+    leases: set[str] = field(default_factory=set)
+    begun: int = 0
+
+
+@dataclass(frozen=True)
+class _Open:
+    client_id: str
+    tenant: str
+    actor: object
+
+
+def _diff(a: PoolConfig, b: PoolConfig) -> list[str]:
+    out = []
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if x != y:
+            if dataclasses.is_dataclass(x) and type(x) is type(y):
+                out += [f"{f.name}.{g.name}" for g in dataclasses.fields(x) if getattr(x, g.name) != getattr(y, g.name)]
+            else:
+                out.append(f.name)
+    return out
+
+
+class Controller:
+    """The app's worker pool and admission behind leases (see the module docstring)."""
+
+    def __init__(self, app: str, config: PoolConfig, tenants_data: dict, client_ttl_s: float = 30.0):
+        self.app, self.config, self.tenants_data, self.client_ttl_s = app, config, tenants_data, client_ttl_s
+        self.tenants = Tenants.from_dict(tenants_data)
+        self.admission = Admission(self.tenants)
+        self.pool = WorkerPool(config)
+        self.clients: dict[str, _Client] = {}
+        self.templates: dict[tuple[str, str], str] = {}  # (tenant, id) -> text, POST /v1/templates
+        self._open: dict[str, _Open] = {}  # lease id -> owner
+        self._started = False
+        self._start_lock: asyncio.Lock | None = None
+        self._closing = False
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- clients ---------------------------------------------------------------------------------
+    async def attach(self, client_id: str, config: PoolConfig, tenants_data: dict, client_ttl_s: float) -> float:
+        """Register an ingress replica (starting the pool on the first one); returns its heartbeat
+        interval in seconds."""
+        if self._closing:
+            raise ControllerClosing(f"the controller of app {self.app!r} is stopping")
+        diff = _diff(self.config, config)
+        diff += ["tenants"] if tenants_data != self.tenants_data else []
+        diff += ["client_ttl_s"] if client_ttl_s != self.client_ttl_s else []
+        if diff:
+            raise ConfigMismatch(
+                f"the kvmesh controller of app {self.app!r} runs with another configuration ({', '.join(diff)} "
+                "differ); delete the app (serve delete / serve shutdown) and deploy it again")
+        self._touch(client_id)
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if not self._started:
+                await self.pool.start()
+                self._spawn(self._reap_loop())
+                self._started = True
+        return self.client_ttl_s / 5
+
+    def heartbeat(self, client_id: str, progress: dict[str, int]) -> bool:
+        """A replica is alive; ``progress``: output tokens of its open leases. False: the
+        controller is stopping (connect again)."""
+        self._touch(client_id)
+        for lid, n in progress.items():
+            if lid in self._open:
+                self.pool.progress(lid, n)
+        return not self._closing
+
+    def detach(self, client_id: str) -> None:
+        """A replica stops: end its leases; the last one stops the controller."""
+        self._drop(client_id)
+        if not self.clients:
+            self._stop("the last ingress replica detached")
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Drop replicas silent for ``client_ttl_s`` (their leases are reclaimed); stop when none is left."""
+        now = time.monotonic() if now is None else now
+        gone = [cid for cid, c in self.clients.items() if now - c.last_seen > self.client_ttl_s]
+        for cid in gone:
+            log.warning("ingress client %s silent for %.0f s: reclaiming its %d leases", cid,
+                        now - self.clients[cid].last_seen, len(self.clients[cid].leases))
+            self._drop(cid)
+        if not self.clients:
+            self._stop("no ingress replica is left")
+        return gone
+
+    def _touch(self, client_id: str) -> _Client:
+        c = self.clients.get(client_id)
+        if c is None:
+            c = self.clients[client_id] = _Client(time.monotonic())
+        c.last_seen = time.monotonic()
+        return c
+
+    def _drop(self, client_id: str) -> None:
+        c = self.clients.pop(client_id, None)
+        for lid in list(c.leases) if c else ():
+            self._end(lid, abort=True)
+
+    async def _reap_loop(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self.client_ttl_s / 5)
+            self.reap()
+
+    # -- leases ----------------------------------------------------------------------------------
+    async def begin(self, client_id: str, request: Request, ready_timeout_s: float = 60.0) -> Lease:
+        """Admit and route a request. Raises ``Rejected`` (over a limit), ``WorkerUnavailable``."""
+        if self._closing:
+            raise WorkerUnavailable("the kvmesh controller is stopping")
+        if request.tenant not in self.tenants.names():
+            raise InvalidRequest(f"unknown tenant {request.tenant!r}")
+        self._touch(client_id)
+        decision = self.admission.admit(request.tenant, time.monotonic())
+        if not decision.ok:
+            raise Rejected(decision.reason, decision.retry_after_s)
+        try:
+            ws, choice = await self.pool.acquire(request, ready_timeout_s)
+        except BaseException:
+            self.admission.release(request.tenant)
+            raise
+        rid = request.request_id
+        c = self._touch(client_id)  # re-registers a client reaped while we routed
+        c.leases.add(rid)
+        c.begun += 1
+        self._open[rid] = _Open(client_id, request.tenant, ws.actor)
+        return Lease(rid, ws.worker_id, ws.actor, choice)
+
+    def started(self, lease_id: str, route: str | None, ttft_s: float) -> None:
+        """The lease's first output came ``ttft_s`` after the replica got the lease."""
+        if lease_id in self._open:
+            self.pool.mark_started(lease_id, route, ttft_s)
+
+    def end(self, lease_id: str, finished: bool, worker_dead: bool = False) -> None:
+        """The replica's stream ended (idempotent; a reclaimed lease is already ended)."""
+        self._end(lease_id, worker_dead=worker_dead)
+
+    def _end(self, lease_id: str, worker_dead: bool = False, abort: bool = False) -> None:
+        o = self._open.pop(lease_id, None)
+        if o is None:
+            return
+        c = self.clients.get(o.client_id)
+        if c is not None:
+            c.leases.discard(lease_id)
+        if abort:
+            try:
+                o.actor.abort.remote(lease_id)  # fire and forget: frees the request's blocks
+            except Exception:  # noqa: BLE001 - worker gone
+                pass
+        self.pool.release(lease_id, worker_dead=worker_dead)
+        self.admission.release(o.tenant)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def wait_ready(self, timeout_s: float) -> dict:
+        """The model info of a ready worker (name, max_model_len, block size)."""
+        if not await self.pool.wait_ready(timeout_s):
+            raise WorkerUnavailable(self.pool.error or "no worker became ready")
+        return self.pool.model_info()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _stop(self, why: str) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        log.info("kvmesh controller of app %r stops: %s", self.app, why)
+        self._spawn(self._shutdown())
+
+    async def _shutdown(self) -> None:
+        await asyncio.sleep(0.1)  # let the current reply go out
+        await self.pool.close()
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    # -- introspection ---------------------------------------------------------------------------
+    def health(self) -> dict:
+        return {"workers": len(self.pool.workers), "ready": sum(w.routable for w in self.pool.workers.values()),
+                "error": self.pool.error}
+
+    async def metrics_snapshot(self) -> dict:
+        states: dict[str, int] = {"ready": 0, "starting": 0, "draining": 0}
+        assigned: dict[str, int] = {}
+        for w in self.pool.workers.values():
+            states["draining" if w.draining else "ready" if w.info else "starting"] += 1
+            if w.tenant and not w.draining:
+                assigned[w.tenant] = assigned.get(w.tenant, 0) + 1
+        return {"queue_depth": self.pool.queue_depth(), "inflight": dict(self.admission.inflight), "states": states,
+                "assigned": assigned, "router": await self.pool.router_metrics()}
+
+    async def workers_view(self) -> dict:
+        d = self.pool.last_decision
+        return {"workers": await self.pool.stats(), "target": d.target if d else None,
+                "allocation": dict(d.allocation) if d else {}}
+
+    def snapshot(self) -> dict:
+        """Clients with their open leases, workers with their in-flight counts (tests, debugging)."""
+        return {"clients": {cid: {"leases": sorted(c.leases), "begun": c.begun} for cid, c in self.clients.items()},
+                "workers": {w.worker_id: {"inflight": w.inflight, "inflight_tokens": w.inflight_tokens,
+                                          "ready": w.info is not None, "draining": w.draining}
+                            for w in self.pool.workers.values()},
+                "admitted": dict(self.admission.inflight), "closing": self._closing}
+
+    def register_template(self, tenant: str, template_id: str, text: str) -> None:
+        self.templates[(tenant, template_id)] = text
+
+    def template(self, tenant: str, template_id: str) -> str | None:
+        return self.templates.get((tenant, template_id))
+
+
+def get_or_create_controller(app: str, config: PoolConfig, tenants_data: dict, client_ttl_s: float = 30.0):
+    """The app's controller actor, created (detached) if missing. Blocking GCS call: from async
+    code use ``asyncio.to_thread``."""
+    cls = ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=0)(Controller)
+    return cls.options(name=controller_name(app), namespace=NAMESPACE, lifetime="detached",
+                       get_if_exists=True).remote(app, config, tenants_data, client_ttl_s)
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The exception an actor method raised (Ray wraps it in a RayTaskError)."""
+    return getattr(e, "cause", None) or e if isinstance(e, ray.exceptions.RayTaskError) else e
+
+
+class ControllerClient:
+    """An ingress replica's side of the controller: leases a worker per request and streams from
+    it directly. ``connect()`` inside the replica's event loop; ``close()`` when it stops."""
+
+    def __init__(self, app: str, config: PoolConfig, tenants_data: dict, client_ttl_s: float = 30.0,
+                 call_timeout_s: float = 10.0):
+        self.app, self.config, self.tenants_data, self.client_ttl_s = app, config, tenants_data, client_ttl_s
+        self.call_timeout_s = call_timeout_s
+        self.client_id = f"{app}-{uuid.uuid4().hex[:12]}"
+        self.handle = None
+        self._heartbeat_s = client_ttl_s / 5
+        self._progress: dict[str, int] = {}  # open lease -> output tokens so far
+        self._tasks: set[asyncio.Task] = set()
+        self._heartbeats: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+
+    async def connect(self, timeout_s: float = 120.0) -> None:
+        """Attach to the app's controller, creating it if missing (retries while an old one stops)."""
+        async with self._lock:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                handle = await asyncio.to_thread(get_or_create_controller, self.app, self.config, self.tenants_data,
+                                                 self.client_ttl_s)
+                try:
+                    self._heartbeat_s = await handle.attach.remote(self.client_id, self.config, self.tenants_data,
+                                                                   self.client_ttl_s)
+                    break
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                    cause = _cause(e)
+                    retry = isinstance(cause, (ControllerClosing, ray.exceptions.RayActorError))
+                    if not retry or time.monotonic() > deadline:
+                        raise cause from None
+                    await asyncio.sleep(0.5)
+            self.handle = handle
+            if self._heartbeats is None:
+                self._heartbeats = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+
+    async def close(self) -> None:
+        """Detach (the last replica to detach stops the controller and its workers)."""
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
+        if self.handle is not None:
+            try:
+                await asyncio.wait_for(_aref(self.handle.detach.remote(self.client_id)), self.call_timeout_s)
+            except Exception:  # noqa: BLE001 - gone already: it reaps us after client_ttl_s anyway
+                pass
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            try:
+                ref = self.handle.heartbeat.remote(self.client_id, dict(self._progress))
+                alive = await asyncio.wait_for(_aref(ref), self.call_timeout_s)
+                if not alive:
+                    await self.connect()
+            except asyncio.CancelledError:
+                raise
+            except ray.exceptions.RayActorError:
+                log.warning("kvmesh controller of app %r is gone: connecting to a new one", self.app)
+                try:
+                    await self.connect()
+                except Exception:  # noqa: BLE001 - retried on the next beat
+                    log.exception("reconnecting to the kvmesh controller failed")
+            except Exception:  # noqa: BLE001 - a slow beat: the next one may pass
+                log.warning("kvmesh controller heartbeat failed", exc_info=True)
+
+    async def call(self, method: str, *args, timeout_s: float | None = None):
+        """``Controller.<method>(*args)``; reconnects once if the controller died."""
+        for attempt in (0, 1):
+            try:
+                return await asyncio.wait_for(_aref(getattr(self.handle, method).remote(*args)),
+                                              timeout_s or self.call_timeout_s)
+            except ray.exceptions.RayActorError:
+                if attempt:
+                    raise WorkerUnavailable("the kvmesh controller is unavailable") from None
+                await self.connect()
+            except ray.exceptions.RayTaskError as e:
+                raise _cause(e) from None
+
+    async def wait_ready(self, timeout_s: float) -> dict:
+        return await self.call("wait_ready", timeout_s, timeout_s=timeout_s + self.call_timeout_s)
+
+    async def _begin(self, request: Request, ready_timeout_s: float) -> Lease:
+        for attempt in (0, 1):
+            ref = self.handle.begin.remote(self.client_id, request, ready_timeout_s)
+            try:
+                return await ref
+            except asyncio.CancelledError:  # the HTTP client left: end the lease once it exists
+                self._spawn(self._end_when_begun(ref))
+                raise
+            except ray.exceptions.RayActorError:
+                if attempt:
+                    raise WorkerUnavailable("the kvmesh controller is unavailable") from None
+                await self.connect()
+            except ray.exceptions.RayTaskError as e:
+                raise _cause(e) from None
+
+    async def _end_when_begun(self, ref) -> None:
+        try:
+            lease: Lease = await ref
+        except Exception:  # noqa: BLE001 - never begun: nothing to end
+            return
+        self.handle.end.remote(lease.lease_id, False)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def generate(self, request: Request, ready_timeout_s: float = 60.0
+                       ) -> AsyncIterator[tuple[Lease, RouteChoice, RequestOutput]]:
+        """Like ``WorkerPool.generate``: stream a request's outputs from the leased worker. Closing
+        the iterator early cancels the request on the worker (its blocks are freed)."""
+        lease = await self._begin(request, ready_timeout_s)
+        lid, finished, dead, first = lease.lease_id, False, False, True
+        self._progress[lid] = 0
+        t0 = time.monotonic()
+        try:
+            async for out in stream_outputs(lease.actor, lease.worker_id, request, lease.choice):
+                if first:
+                    self.handle.started.remote(lid, out.route, time.monotonic() - t0)
+                    first = False
+                self._progress[lid] = out.num_output_tokens
+                finished = out.finished
+                yield lease, lease.choice, out
+        except WorkerDied:
+            dead = True
+            raise
+        finally:
+            self._progress.pop(lid, None)
+            try:
+                self.handle.end.remote(lid, finished, dead)
+            except Exception:  # noqa: BLE001 - controller gone: its leases went with it
+                pass
+
+
+async def _aref(ref):
+    return await ref
