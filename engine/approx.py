@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -172,10 +173,11 @@ class ApproxReuse:
         self.stats["donors_stored"] += ok
         return ok
 
-    def match(self, request: Request) -> ApproxMatch | None:
+    def match(self, request: Request, worth: Callable[[ApproxMatch], bool] | None = None) -> ApproxMatch | None:
         """The donor and plan for an approximate request, or None (run it exactly). With a quality
         gate the match may be a ``shadow`` one (run exactly, then measure); a closed key gives None.
-        Requests that are not approximate, or find no donor, never reach the gate."""
+        Requests that are not approximate, find no donor, or whose match ``worth`` rejects (e.g.
+        the exact prefix cache serves as much) never reach the gate: they spend no gate turn."""
         if request.reuse != "approximate":
             return None
         cands = self.pool.candidates((request.domain, *request.read_domains))
@@ -192,9 +194,8 @@ class ApproxReuse:
                 self.stats["no_donor"] += 1
                 return None
             donor = next(d for d in same if d.instance is chosen)
-            return self._gated(request, ApproxMatch(donor, policy.plan(inst, chosen),
-                                                    query_suffix_start(inst, self.config.suffix_tokens), inst),
-                               request.template)
+            m = ApproxMatch(donor, policy.plan(inst, chosen), query_suffix_start(inst, self.config.suffix_tokens), inst)
+            return self._gated(request, m, request.template) if worth is None or worth(m) else None
         pool = [d for d in cands if d.token_ids != tuple(ids)][: self.config.detect_max_candidates]
         found = detect_template(ids, [d.token_ids for d in pool], min_coverage=self.config.detect_min_coverage)
         if found is None:
@@ -202,7 +203,7 @@ class ApproxReuse:
             return None
         donor = pool[found.donor_index]
         m = ApproxMatch(donor, found.plan, max(0, n - self.config.suffix_tokens), None)
-        return self._gated(request, m, self._family(request, donor))
+        return self._gated(request, m, self._family(request, donor)) if worth is None or worth(m) else None
 
     def _gated(self, request: Request, m: ApproxMatch, template_key: str) -> ApproxMatch | None:
         """``m`` at the request's r when ungated; else as the gate decides: approximate at the

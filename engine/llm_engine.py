@@ -193,15 +193,17 @@ class LLMEngine:
             seq.approx_tried = True
             if seq.num_output or len(self.scheduler.running) >= self.config.max_num_seqs:
                 continue
-            m = self.approx.match(seq.request)
-            if m is None:
-                continue
             n = seq.num_prompt
             hit = self.kv.find_prefix(seq)
             hit_tokens = len(hit) * bs
-            gain = sum(1 for i in range(hit_tokens, m.suffix_start) if m.plan.src[i] is not None)
-            if hit_tokens > m.plan.exact_prefix or gain < self.config.approx.min_gain_tokens:
-                continue  # the exact prefix cache serves (nearly) as much: run exactly
+
+            def worth(m, hit_tokens=hit_tokens) -> bool:  # asked before the gate decides
+                gain = sum(1 for i in range(hit_tokens, m.suffix_start) if m.plan.src[i] is not None)
+                return hit_tokens <= m.plan.exact_prefix and gain >= self.config.approx.min_gain_tokens
+
+            m = self.approx.match(seq.request, worth)
+            if m is None:
+                continue  # no donor, not worth it (the exact prefix cache serves nearly as much), or gated
             if m.shadow:  # the quality gate measures this template: run exactly, check once finished
                 seq.shadow = m
                 continue

@@ -292,3 +292,15 @@ def test_gate_keeps_at_most_max_keys_and_a_forgotten_key_recalibrates():
     assert not gate.decide(b, cfg, 0.3).approximate  # forgotten: calibrates again, never opens unchecked
     with pytest.raises(ValueError):
         QualityGate(max_keys=0)
+
+
+def test_a_request_the_exact_cache_serves_spends_no_gate_turn(tiny_model):
+    """A repeat of a cached prompt is served by the exact prefix cache: the gate is not asked
+    (no calibration or recheck turn is used up on a request that could not be approximate)."""
+    eng = engine(tiny_model, GateConfig(samples=2))
+    run(eng, treq(eng, "a", TEXTS[0]))  # the donor
+    run(eng, treq(eng, "a2", TEXTS[0]))  # the same prompt again
+    assert "acme/sent" not in eng.approx.gate.snapshot() and eng.approx.stats["gate_exact"] == 0
+    run(eng, treq(eng, "b", TEXTS[1]))  # another value: the gate's first calibration turn
+    assert eng.approx.gate.snapshot()["acme/sent"]["exact_served"] == 1
+    assert_clean(eng)
