@@ -141,6 +141,8 @@ def main() -> None:
     ap.add_argument("--donors", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=12, help="evaluation prompts per task")
     ap.add_argument("--new", type=int, default=8, help="greedy tokens compared")
+    ap.add_argument("--suffix-tokens", type=int, default=8,
+                    help="query suffix always computed: the last N tokens (or all after the last parameter)")
     ap.add_argument("--tasks", default="fewshot,translate,form")
     ap.add_argument("--learned", default=str(RESULTS / "learnable_remap.json"))
     ap.add_argument("--out", default=str(RESULTS / "remap.json"))
@@ -183,7 +185,7 @@ def main() -> None:
             ref_logits, ref_kv = full_prefill(model, ids)
             t_full = time.perf_counter() - t0
             ref_out = trim_eos(greedy_continue(model, ref_logits, ref_kv, args.new), eos)
-            suffix = query_suffix_start(inst)
+            suffix = query_suffix_start(inst, args.suffix_tokens)
             for cfg in cfgs:
                 if cfg.gated:
                     rows.setdefault((task, cfg.name), []).append(_gated(
