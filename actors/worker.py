@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -52,18 +53,20 @@ class DonorPull:
 
 class Worker:
     def __init__(self, worker_id: str, config: EngineConfig, pull_timeout_s: float = 30.0,
-                 pull_chunk_bytes: int = 8 << 20, donor_pull_timeout_s: float = 5.0):
+                 pull_chunk_bytes: int = 8 << 20, donor_pull_timeout_s: float = 5.0, pull_window: int = 2):
         self.worker_id = worker_id
         self.config = config
         self.engine = AsyncEngine(config)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.pull_timeout_s = pull_timeout_s
         self.pull_chunk_bytes = pull_chunk_bytes
+        self.pull_window = max(1, pull_window)  # chunks requested ahead of the one being imported
         self.donor_pull_timeout_s = donor_pull_timeout_s  # all donor offers together: the request waits
         self.faults: set[str] = set()  # test hook: "export" makes export_prefix fail
         self.router = None  # RouterClient when a router actor exists (reports measurements)
         self.donor_stats = {"pulled": 0, "failed": 0, "skipped": 0}
         self.export_stats = {"calls": 0, "blocks": 0}  # export_prefix served to pulling peers
+        self._aborted: OrderedDict[str, None] = OrderedDict()  # aborts of requests not (yet) in the engine
 
     def ready(self) -> dict:
         e = self.engine.engine
@@ -82,6 +85,9 @@ class Worker:
         from a pulled donor reports route "pulled" with those tokens in ``pulled_tokens``."""
         (local, pulled), donor = await asyncio.gather(self._pull(request, pulls),
                                                       self._pull_donor(request, donor_pulls))
+        if request.request_id in self._aborted:
+            del self._aborted[request.request_id]
+            return  # aborted while its KV was being pulled: never run it
         first = True
         async for out in self.engine.generate(request):
             gained = max(0, min(pulled, out.num_cached_tokens - local))
@@ -160,10 +166,14 @@ class Worker:
         local = await self.engine.call(lambda e: e.held_prefix_tokens(chains))
 
         async def one(p: Pull) -> int:
-            """Fetch [start, end) from the holder in chunks requested all at once: the holder
-            exports (gathers and seals) chunk i + 1 while chunk i is on the wire, and chunks are
-            imported in order as they arrive. A chunk that fails or comes back short ends the
-            pull: later blocks could not extend the prefix."""
+            """Fetch [start, end) from the holder in chunks, ``pull_window`` requested ahead: the
+            holder exports (gathers and seals) the next chunk while one is on the wire, and at
+            most that many exports are wasted when the pull stops early. Chunks import in order;
+            a chunk that fails or comes back short ends the pull (later blocks could not extend
+            the prefix). A pull that cannot land whole in the pool is not started."""
+            if not await self.engine.call(lambda e: e.can_import(chains, p.start_block, p.end_block, request.tenant)):
+                log.info("pull of blocks %d-%d skipped: no room for them", p.start_block, p.end_block)
+                return 0
             t0 = time.perf_counter()
             got = {"nbytes": 0, "seconds": 0.0, "imported": 0}
             step = self._pull_chunk_blocks()
@@ -173,27 +183,40 @@ class Worker:
                 data = await p.holder.export_prefix.remote(chains, a, b)
                 return data, time.perf_counter() - t0
 
-            chunks = [asyncio.ensure_future(arrive(a, b)) for a, b in ranges]
+            ahead: deque[asyncio.Future] = deque()
+            pending_import: list[asyncio.Future] = []
 
             async def fetch() -> None:
-                for (a, b), chunk in zip(ranges, chunks):
-                    data, arrived = await chunk
+                nxt = 0
+                for a, b in ranges:
+                    while nxt < len(ranges) and len(ahead) < self.pull_window:
+                        ahead.append(asyncio.ensure_future(arrive(*ranges[nxt])))
+                        nxt += 1
+                    data, arrived = await ahead.popleft()
                     if data is None:
                         return
                     got["nbytes"] += data.nbytes
                     got["seconds"] = arrived
-                    got["imported"] += await self.engine.call(
-                        lambda e, data=data, a=a: e.import_prefix(data, a, chains, request.tenant))
+                    imp = asyncio.ensure_future(self.engine.call(
+                        lambda e, data=data, a=a: e.import_prefix(data, a, chains, request.tenant)))
+                    pending_import[:] = [imp]
+                    got["imported"] += await asyncio.shield(imp)
+                    pending_import.clear()
                     if data.num_blocks < b - a:
                         return
 
             try:
                 await asyncio.wait_for(fetch(), self.pull_timeout_s)
             except Exception as e:  # noqa: BLE001 - any failure: recompute the blocks not imported
+                if pending_import:  # an import the timeout interrupted still lands: count it
+                    try:
+                        got["imported"] += await pending_import[0]
+                    except Exception:  # noqa: BLE001 - that import failed: nothing landed
+                        pass
                 log.warning("pull of blocks %d-%d from %s failed after %d tokens: %r", p.start_block, p.end_block,
                             p.holder_node, got["imported"], e)
             finally:
-                for chunk in chunks:  # chunks not consumed: stop waiting; mark errors as seen
+                for chunk in ahead:  # requested but not consumed: stop waiting; mark errors as seen
                     if chunk.done() and not chunk.cancelled():
                         chunk.exception()
                     chunk.cancel()
@@ -253,6 +276,11 @@ class Worker:
         return True
 
     async def abort(self, request_id: str) -> None:
+        """Abort a request; one not in the engine yet (still pulling KV) is remembered so that
+        ``generate`` drops it instead of running it for nobody."""
+        self._aborted[request_id] = None
+        while len(self._aborted) > 4096:
+            self._aborted.popitem(last=False)
         await self.engine.abort(request_id)
 
     async def stats(self) -> dict:

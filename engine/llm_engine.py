@@ -358,6 +358,15 @@ class LLMEngine:
         """Leading prompt tokens this engine holds under any of ``chains``."""
         return len(self.kv.held_blocks(chains)) * self.config.block_size
 
+    def can_import(self, chains: dict[str, list[BlockHash]], start: int, end: int, tenant: str) -> bool:
+        """Whether blocks [start, end) of a prompt, minus the leading ones held here, fit in the
+        pool for ``tenant`` at once, without evicting the held prefix they extend: a pull that
+        cannot land whole would evict its own first chunks (and other cached prefixes) for
+        nothing."""
+        held = self.kv.held_blocks(chains)
+        idle = sum(1 for b in held if b.ref_cnt == 0)  # counted as free, but they must stay
+        return self.pool.can_allocate(max(0, end - max(start, len(held))) + idle, tenant)
+
     def export_prefix(self, chains: dict[str, list[BlockHash]], start: int, end: int) -> KVBlocks | None:
         """KV of prompt blocks [start, end) held here under any of ``chains`` (up to the first
         miss), or None. Only hashes the requester computed from its own tokens can match."""

@@ -47,6 +47,22 @@ def test_export_import_between_engines_reuses_exactly(tiny_model):
     b.pool.check_invariants()
 
 
+def test_a_pull_that_cannot_land_whole_is_refused_up_front(tiny_model):
+    """Chunks import one by one; if the whole range cannot fit at once, later chunks would evict
+    the earlier ones (and other cached prefixes) for nothing: ``can_import`` says no first."""
+    a = LLMEngine(CFG, loaded=tiny_model)
+    small = LLMEngine(EngineConfig(model="tiny-llama", num_blocks=6, max_num_batched_tokens=256), loaded=tiny_model)
+    prompt = PREFIX + tuple(range(60))  # 8 full blocks
+    a.generate([Request("warm", prompt + (1,), GREEDY, tenant="t1")])
+    chains = small.prompt_chains(Request("r", prompt + (2,), GREEDY, tenant="t1"))
+    assert not small.can_import(chains, 0, 8, "t1")
+    assert small.can_import(chains, 0, 4, "t1")
+    assert small.import_prefix(a.export_prefix(chains, 0, 4), 0, chains, "t1") == 64
+    # 4 held (idle, so counted as free): 4 more would have to evict them
+    assert not small.can_import(chains, 0, 8, "t1") and not small.can_import(chains, 4, 8, "t1")
+    assert small.can_import(chains, 4, 6, "t1")
+
+
 def test_import_verifies_hashes_model_and_isolation(tiny_model):
     a, b = LLMEngine(CFG, loaded=tiny_model), LLMEngine(CFG, loaded=tiny_model)
     a.generate([Request("warm", PREFIX + (9,), GREEDY, tenant="t1")])
@@ -200,6 +216,17 @@ def test_chunked_pull_imports_in_order_and_stops_at_the_first_missing_chunk(tiny
         assert outs[-1].pulled_tokens == 32
         assert ids(outs) == reference(tiny_model, prompt2)
         assert ray.get(holder.stats.remote())["exports"] == {"calls": 8, "blocks": 6}
+        # an 8-block pull from a holder with only 2 of them: the window (2 chunks ahead) stops the
+        # requests after the first missing chunk: 4 export calls, not 8
+        third = tuple(t + 2 for t in PREFIX[:40])
+        ray.get(holder.generate_all.remote(Request("warm3", third[:33], GREEDY, tenant="t1")))
+        prompt3 = third + tuple(range(10, 110))
+        outs = ray.get(target.generate_all.remote(Request("r3", prompt3, GREEDY, tenant="t1"), (Pull(holder, "n", 0, 8),)))
+        assert outs[-1].pulled_tokens == 32 and ids(outs) == reference(tiny_model, prompt3)
+        assert ray.get(holder.stats.remote())["exports"] == {"calls": 12, "blocks": 8}
+        # an abort that arrives while the request is still pulling: the request never runs
+        ray.get(target.abort.remote("gone"))
+        assert ray.get(target.generate_all.remote(Request("gone", prompt, GREEDY, tenant="t1"))) == []
         stats = ray.get(target.stats.remote())
         assert stats["free_blocks"] == stats["num_blocks"]  # imported blocks are cached, none pinned
     finally:
