@@ -1,5 +1,8 @@
-"""The router actor: one named actor ("kvmesh-router" in namespace "kvmesh") holding the shared
-routing estimates, a thin shell around ``policies.routing.CostModel``.
+"""The router actor: one named actor per Serve app (``kvmesh-router:<app>`` in namespace
+"kvmesh"; plain ``kvmesh-router`` without an app, as in tests and benches) holding the shared
+routing estimates, a thin shell around ``policies.routing.CostModel``. An app's router is created
+by its worker pool inside the app's controller (non-detached: it dies with the controller), so
+apps sharing a cluster never share or kill each other's estimates.
 
 Workers report measured prefills, transfers, probes and their load (fire and forget); routers ask
 ``rank``/``decide``. Callers on an event loop use ``RouterClient``, which never blocks: every
@@ -23,8 +26,14 @@ import ray
 from policies.routing import (Candidate, CostConfig, CostModel, NodeId, RouteDecision, WorkerId,
                               WorkerLoad, power_of_two)
 
-ROUTER_NAME = "kvmesh-router"
+ROUTER_NAME = "kvmesh-router"  # without an app (tests, benches); an app's router: router_name(app)
 ROUTER_NAMESPACE = "kvmesh"
+
+
+def router_name(app: str | None = None) -> str:
+    """The router actor's name for ``app`` (``ROUTER_NAME`` when no app is given)."""
+    return f"{ROUTER_NAME}:{app}" if app else ROUTER_NAME
+
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +106,10 @@ class Router:
                                for k, (c, s, r) in self._err.items() if c}}
 
 
-def get_or_create_router(config: CostConfig | None = None, detached: bool = False):
-    """The named router actor, created on first use (``get_if_exists`` makes creation race-free)."""
-    opts = dict(name=ROUTER_NAME, namespace=ROUTER_NAMESPACE, get_if_exists=True, num_cpus=0)
+def get_or_create_router(config: CostConfig | None = None, detached: bool = False, app: str | None = None):
+    """The named router actor of ``app`` (``router_name(app)``), created on first use
+    (``get_if_exists`` makes creation race-free); owned by the caller unless ``detached``."""
+    opts = dict(name=router_name(app), namespace=ROUTER_NAMESPACE, get_if_exists=True, num_cpus=0)
     if detached:
         opts["lifetime"] = "detached"
     return ray.remote(Router).options(**opts).remote(config)
@@ -112,15 +122,17 @@ class RouterClient:
     dropped; an error in a report only loses that sample).
     """
 
-    def __init__(self, handle=None, timeout_s: float = 0.05, rng: random.Random | None = None):
+    def __init__(self, handle=None, timeout_s: float = 0.05, rng: random.Random | None = None,
+                 name: str = ROUTER_NAME):
         self._handle = handle
+        self.name = name  # looked up when no handle is given
         self.timeout_s = timeout_s
         self.rng = rng or random.Random()
 
     @property
     def handle(self):
         if self._handle is None:
-            self._handle = ray.get_actor(ROUTER_NAME, namespace=ROUTER_NAMESPACE)
+            self._handle = ray.get_actor(self.name, namespace=ROUTER_NAMESPACE)
         return self._handle
 
     async def _ask(self, method: str, *args):

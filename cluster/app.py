@@ -10,6 +10,7 @@ there for why); ingress replicas hold no pool state, so the deployment may run s
 
 # No `from __future__ import annotations`: FastAPI must see the real Request annotation
 # through Serve's ingress wrapper.
+import asyncio
 import dataclasses
 import logging
 import math
@@ -26,7 +27,9 @@ from ray.serve import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.metrics import CONTENT_TYPE_LATEST, Metrics
-from cluster.controller import ControllerClient, Rejected
+import ray
+
+from cluster.controller import ConfigMismatch, ControllerClient, ControllerClosing, Rejected
 from cluster.pool import PoolConfig, WorkerUnavailable
 from cluster.protocol import (DONE, ApiError, ChatBody, CompletionBody, Served, chunk, completion_response,
                               error_event, parse_body, usage)
@@ -92,21 +95,20 @@ def load_tokenizer(spec: str):
     return name, AutoTokenizer.from_pretrained(path)
 
 
-def pool_config(s: AppSettings, tenants: Tenants) -> PoolConfig:
-    """The controller's pool configuration (GPUs per worker resolved against the running cluster)."""
-    import ray
-
-    gpus = s.worker_num_gpus
-    if gpus is None:
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-    device = s.device or ("cuda" if gpus else "cpu")
+def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
+    """The controller's pool configuration, unresolved: a ``worker_num_gpus``/``device``/``dtype``
+    left unset stays unset (the controller resolves it once against the cluster), so every
+    replica of an app computes the same config whatever the cluster looks like when it starts."""
+    device = s.device or "cpu"  # placeholder when auto_device: the controller picks
     engine = EngineConfig(model=s.model, block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
                           max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                           device=device, dtype=s.dtype or ("float32" if device == "cpu" else "bfloat16"),
                           tenant_quotas=tenants.eviction_quotas(),
                           approx=ApproxConfig(tenant_gates=tenants.quality_gates()))
     return PoolConfig(engine=engine, autoscale=s.autoscale(), shares=tuple(sorted(tenants.worker_shares().items())),
-                      worker_num_cpus=s.worker_num_cpus, worker_num_gpus=gpus, ready_timeout_s=s.ready_timeout_s)
+                      worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,
+                      auto_device=s.device is None, auto_dtype=s.dtype is None, ready_timeout_s=s.ready_timeout_s,
+                      app=app)
 
 
 def build_app(args: dict) -> Application:
@@ -134,6 +136,13 @@ async def _validation_error(_, e: RequestValidationError):
 async def _http_error(_, e: StarletteHTTPException):
     code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
     return JSONResponse(ApiError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code)
+
+
+@app.exception_handler(Exception)
+async def _any_error(_, e: Exception):
+    """Last resort: whatever a route did not map still gets an OpenAI error body (logged)."""
+    err = _as_api_error(e)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def _bearer(req: HttpRequest) -> str | None:
@@ -219,6 +228,9 @@ class _Ctx:
 
 
 def _as_api_error(e: BaseException) -> ApiError:
+    """The OpenAI error for ``e``: 4xx for the client's mistakes, 503 when the controller or a
+    worker is unavailable, too slow or being replaced, else 500 ``internal_error`` (logged with
+    its traceback)."""
     if isinstance(e, ApiError):
         return e
     if isinstance(e, InvalidRequest):
@@ -226,8 +238,18 @@ def _as_api_error(e: BaseException) -> ApiError:
         return ApiError(400, msg.split("InvalidRequest: ")[-1])
     if isinstance(e, WorkerUnavailable):
         return ApiError(503, str(e), type_="server_error", code="worker_unavailable")
-    log.exception("request failed", exc_info=e)
-    return ApiError(500, f"internal error: {type(e).__name__}", type_="server_error")
+    if isinstance(e, (asyncio.TimeoutError, TimeoutError, ray.exceptions.GetTimeoutError)):
+        return ApiError(503, "the kvmesh controller did not answer in time; retry later", type_="server_error",
+                        code="controller_timeout")
+    if isinstance(e, (ControllerClosing, ray.exceptions.RayActorError)):
+        return ApiError(503, "the kvmesh controller is restarting; retry later", type_="server_error",
+                        code="controller_unavailable")
+    if isinstance(e, ConfigMismatch):
+        log.error("kvmesh replica refused by its controller: %s", e)
+        return ApiError(503, f"this replica cannot attach to the kvmesh controller: {e}", type_="server_error",
+                        code="controller_unavailable")
+    log.error("request failed", exc_info=e)
+    return ApiError(500, f"internal error: {type(e).__name__}", type_="server_error", code="internal_error")
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000, num_replicas=1)
@@ -239,8 +261,8 @@ class KvmeshIngress:
         self.model_name, self.tokenizer = load_tokenizer(s.model)
         self.metrics = Metrics(self.tenants.names())
         # One controller per app, shared by all ingress replicas (the first one creates it).
-        self.pool = ControllerClient(serve.get_replica_context().app_name, pool_config(s, self.tenants), tenants_data,
-                                     s.client_ttl_s)
+        app_name = serve.get_replica_context().app_name
+        self.pool = ControllerClient(app_name, pool_config(s, self.tenants, app_name), tenants_data, s.client_ttl_s)
         await self.pool.connect()
         info = await self.pool.wait_ready(s.ready_timeout_s)
         self.max_model_len = int(info["max_model_len"])
@@ -264,9 +286,17 @@ class KvmeshIngress:
         return JSONResponse({"status": "ok" if ready else "starting", "workers_ready": ready,
                              "model": self.model_name}, status_code=status)
 
+    async def _ask(self, method: str, *args):
+        """``Controller.<method>(*args)``; any failure becomes an OpenAI error (503 when the
+        controller is unavailable or slow)."""
+        try:
+            return await self.pool.call(method, *args)
+        except Exception as e:  # noqa: BLE001 - mapped, never a bare 500
+            raise _as_api_error(e) from None
+
     @app.get("/metrics")
     async def metrics(self):
-        snap = await self.pool.call("metrics_snapshot")
+        snap = await self._ask("metrics_snapshot")
         text = self.metrics.render(snap["queue_depth"], snap["inflight"], snap["states"], snap["assigned"],
                                    snap["router"])
         return Response(text, media_type=CONTENT_TYPE_LATEST)
@@ -281,7 +311,7 @@ class KvmeshIngress:
     async def workers(self, req: HttpRequest):
         """Pool and engine state per worker (any valid key)."""
         self._auth(req)
-        return await self.pool.call("workers_view")
+        return await self._ask("workers_view")
 
     @app.post("/v1/templates")
     async def register_template(self, req: HttpRequest):
@@ -301,11 +331,11 @@ class KvmeshIngress:
         if not (isinstance(tid, str) and tid and isinstance(text, str) and text):
             raise ApiError(400, 'expected {"id": "<template id>", "template": "text with {param} spans"}')
         params = list(Template.parse(tid, text).params)
-        await self.pool.call("register_template", tenant.name, tid, text)
+        await self._ask("register_template", tenant.name, tid, text)
         return {"object": "template", "id": tid, "tenant": tenant.name, "params": params}
 
     async def _template(self, tenant: TenantConfig, tid: str) -> str:
-        text = dict(tenant.templates).get(tid) or await self.pool.call("template", tenant.name, tid)
+        text = dict(tenant.templates).get(tid) or await self._ask("template", tenant.name, tid)
         if text is None:
             raise ApiError(400, f"unknown template {tid!r} for tenant {tenant.name!r}", param="kvmesh.template")
         return text
@@ -382,9 +412,10 @@ class KvmeshIngress:
             tenant_name = tenant.name
             body = parse_body(await req.body(), ChatBody if chat else CompletionBody)
             request = await self._build(tenant, body, chat)
-        except ApiError as e:
-            self.metrics.requests.labels(tenant=tenant_name, endpoint=endpoint, code=str(e.status)).inc()
-            raise
+        except Exception as e:  # noqa: BLE001 - counted, and always an OpenAI error body
+            err = _as_api_error(e)
+            self.metrics.requests.labels(tenant=tenant_name, endpoint=endpoint, code=str(err.status)).inc()
+            raise err from None
         t0 = time.perf_counter()
         stream = self.pool.generate(request)  # admission + routing by the controller, then the worker's stream
         try:

@@ -10,12 +10,15 @@ output (``started``) and the end (``end``). Output-token progress rides on the h
 
 Lifetime: named ``kvmesh-controller:<app>`` in namespace ``kvmesh``, detached, created by the
 first replica (``get_if_exists``); later replicas attach and must bring the same configuration
-(else ``ConfigMismatch``). Workers (and the router actor) are the controller's non-detached
-children, so they die with it. Each replica heartbeats every ``client_ttl_s / 5``; a replica
-silent for ``client_ttl_s`` is presumed dead and its leases are reclaimed (the worker aborts
-them). When no replica is attached (the last one detached in its ``__del__``, or the last one
-expired) the controller kills its workers and itself; a replica that comes later creates a fresh
-one.
+(else ``ConfigMismatch``). Replicas send the configuration unresolved (``worker_num_gpus=None``,
+auto device/dtype); the controller resolves it once, when it is created, so a replica started
+later (when the cluster's GPUs changed) still matches. Workers (ids ``<app>-w<n>``) and the
+router actor (``kvmesh-router:<app>``) are the controller's non-detached children, so they die
+with it. If the pool fails to start, the controller stops (kills what it spawned) and exits.
+Each replica heartbeats every ``client_ttl_s / 5``; a replica silent for ``client_ttl_s`` is
+presumed dead and its leases are reclaimed (the worker aborts them). When no replica is attached
+(the last one detached in its ``__del__``, or the last one expired) the controller kills its
+workers and itself; a replica that comes later creates a fresh one.
 
 Invariants: every open lease belongs to exactly one attached client and holds one admission and
 one pool flight; ending a lease (``end``, ``detach``, expiry) releases both exactly once.
@@ -33,7 +36,8 @@ from typing import AsyncIterator
 
 import ray
 
-from cluster.pool import PoolConfig, RouteChoice, WorkerDied, WorkerPool, WorkerUnavailable, stream_outputs
+from cluster.pool import (PoolConfig, RouteChoice, WorkerDied, WorkerPool, WorkerUnavailable, resolve_pool_config,
+                          stream_outputs)
 from engine.sequence import InvalidRequest, Request, RequestOutput
 from policies.tenancy import Admission, Tenants
 
@@ -85,6 +89,11 @@ class _Open:
     actor: object
 
 
+def for_app(config: PoolConfig, app: str) -> PoolConfig:
+    """``config`` of the Serve app ``app`` (names its workers and router actor)."""
+    return config if config.app == app else dataclasses.replace(config, app=app)
+
+
 def _diff(a: PoolConfig, b: PoolConfig) -> list[str]:
     out = []
     for f in dataclasses.fields(a):
@@ -101,14 +110,16 @@ class Controller:
     """The app's worker pool and admission behind leases (see the module docstring)."""
 
     def __init__(self, app: str, config: PoolConfig, tenants_data: dict, client_ttl_s: float = 30.0):
+        config = for_app(config, app)
         self.app, self.config, self.tenants_data, self.client_ttl_s = app, config, tenants_data, client_ttl_s
         self.tenants = Tenants.from_dict(tenants_data)
         self.admission = Admission(self.tenants)
-        self.pool = WorkerPool(config)
+        # self.config is what replicas send (compared on attach); the pool runs the resolved one
+        self.pool = WorkerPool(resolve_pool_config(config))
         self.clients: dict[str, _Client] = {}
         self.templates: dict[tuple[str, str], str] = {}  # (tenant, id) -> text, POST /v1/templates
         self._open: dict[str, _Open] = {}  # lease id -> owner
-        self._started = False
+        self._started = self._reaping = False
         self._start_lock: asyncio.Lock | None = None
         self._closing = False
         self._tasks: set[asyncio.Task] = set()
@@ -119,7 +130,7 @@ class Controller:
         interval in seconds."""
         if self._closing:
             raise ControllerClosing(f"the controller of app {self.app!r} is stopping")
-        diff = _diff(self.config, config)
+        diff = _diff(self.config, for_app(config, self.app))
         diff += ["tenants"] if tenants_data != self.tenants_data else []
         diff += ["client_ttl_s"] if client_ttl_s != self.client_ttl_s else []
         if diff:
@@ -130,9 +141,17 @@ class Controller:
         if self._start_lock is None:
             self._start_lock = asyncio.Lock()
         async with self._start_lock:
-            if not self._started:
-                await self.pool.start()
+            if not self._reaping:  # before the pool starts: a failed start must not orphan us
                 self._spawn(self._reap_loop())
+                self._reaping = True
+            if not self._started:
+                try:
+                    await self.pool.start()
+                except BaseException as e:
+                    log.exception("the worker pool of app %r failed to start", self.app)
+                    self._drop(client_id)
+                    self._stop(f"its worker pool failed to start: {e!r}")
+                    raise
                 self._started = True
         return self.client_ttl_s / 5
 
@@ -305,7 +324,8 @@ class ControllerClient:
 
     def __init__(self, app: str, config: PoolConfig, tenants_data: dict, client_ttl_s: float = 30.0,
                  call_timeout_s: float = 10.0):
-        self.app, self.config, self.tenants_data, self.client_ttl_s = app, config, tenants_data, client_ttl_s
+        self.app, self.tenants_data, self.client_ttl_s = app, tenants_data, client_ttl_s
+        self.config = for_app(config, app)
         self.call_timeout_s = call_timeout_s
         self.client_id = f"{app}-{uuid.uuid4().hex[:12]}"
         self.handle = None

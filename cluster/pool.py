@@ -18,15 +18,22 @@ the target and assigns workers to tenants by the allocation. A tenant's requests
 workers assigned to it; a tenant with no assignment uses unassigned workers (or any worker).
 Draining workers finish their requests and are then killed.
 
+Worker ids are ``<app>-w<n>`` (``w<n>`` when ``PoolConfig.app`` is empty), unique across the apps
+of one cluster: the global index actor (``kvmesh-index``) is keyed by worker id. The router actor
+is one per app (``kvmesh-router:<app>``), created by the pool (so owned by the app's controller).
+
 Invariants: a worker's ``inflight``/``inflight_tokens`` count the requests ``acquire``d on it
 and not yet ``release``d (``generate`` does both around its stream); a draining or dead worker
-is never chosen; a stream that ends early (client gone, error) cancels
-the worker's generator, which aborts the request there and frees its blocks.
+is never chosen; only ``ActorDiedError`` marks a worker dead (an unreachable one,
+``ActorUnavailableError``, fails that request with ``WorkerUnavailable`` and stays); a stream
+that ends early (client gone, error) cancels the worker's generator, which aborts the request
+there and frees its blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -90,16 +97,41 @@ class LeastLoadedRouter:
 
 @dataclass(frozen=True)
 class PoolConfig:
+    """The pool's configuration. ``worker_num_gpus=None`` (and ``auto_device``/``auto_dtype``) are
+    resolved once, by ``resolve_pool_config`` in the controller, never by the replicas: two
+    replicas of one app always send equal configs."""
+
     engine: EngineConfig = field(default_factory=EngineConfig)
     autoscale: AutoscaleConfig = AutoscaleConfig()
     shares: tuple[tuple[str, TenantShare], ...] = ()
     worker_num_cpus: float = 1.0
     worker_num_gpus: float | None = None  # None: 1 when the cluster has GPUs, else 0
+    auto_device: bool = False  # engine.device unset: cuda when workers get GPUs, else cpu
+    auto_dtype: bool = False  # engine.dtype unset: bfloat16 on cuda, else float32
+    app: str = ""  # the Serve app: prefixes worker ids and names the router actor
     ready_timeout_s: float = 600.0
     # Route by the global index + router actor's TTFT model (pull / local / recompute). Off:
     # least-loaded routing and no index/router actors.
     cost_aware_routing: bool = True
     probe_interval_s: float = 30.0  # light link probes between workers on different nodes (0: off)
+
+
+def resolve_pool_config(config: PoolConfig, cluster_gpus: float | None = None) -> PoolConfig:
+    """``config`` with ``worker_num_gpus`` (and an auto device/dtype) fixed against
+    ``cluster_gpus`` (default: the running cluster's GPU count, read once here)."""
+    if config.worker_num_gpus is not None and not (config.auto_device or config.auto_dtype):
+        return config
+    gpus = config.worker_num_gpus
+    if gpus is None:
+        if cluster_gpus is None:
+            cluster_gpus = ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
+        gpus = 1 if cluster_gpus >= 1 else 0
+    engine = config.engine
+    if config.auto_device:
+        engine = dataclasses.replace(engine, device="cuda" if gpus else "cpu")
+    if config.auto_dtype:
+        engine = dataclasses.replace(engine, dtype="float32" if engine.device == "cpu" else "bfloat16")
+    return dataclasses.replace(config, engine=engine, worker_num_gpus=gpus, auto_device=False, auto_dtype=False)
 
 
 @dataclass
@@ -139,6 +171,7 @@ class WorkerPool:
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, autoscale: bool = True) -> None:
+        self.config = resolve_pool_config(self.config)  # no-op when the controller resolved it
         gpus = self.config.worker_num_gpus
         self._actor_cls = worker_actor_class(num_gpus=gpus, num_cpus=self.config.worker_num_cpus)
         if self.config.cost_aware_routing:
@@ -177,7 +210,8 @@ class WorkerPool:
 
     # -- workers -----------------------------------------------------------------------------
     def _spawn(self) -> WorkerState:
-        wid = f"w{next(self._ids)}"
+        n = next(self._ids)
+        wid = f"{self.config.app}-w{n}" if self.config.app else f"w{n}"
         actor = self._actor_cls.remote(wid, self.config.engine)
         ws = WorkerState(wid, actor)
         self.workers[wid] = ws
@@ -207,7 +241,7 @@ class WorkerPool:
 
         if self._router_actor is None:  # the first ready worker tells the KV size per token
             cost = CostConfig(block_size=ws.info["block_size"], bytes_per_token=ws.info["kv_bytes_per_token"])
-            self._router_actor = await asyncio.to_thread(get_or_create_router, cost)
+            self._router_actor = await asyncio.to_thread(get_or_create_router, cost, False, self.config.app or None)
             self._router_client = RouterClient(self._router_actor)
         await _aref(ws.actor.start_index_publisher.remote())
         await _aref(ws.actor.attach_router.remote(self._router_actor))
@@ -397,18 +431,21 @@ class WorkerPool:
 
     # -- introspection -----------------------------------------------------------------------
     async def stats(self, timeout_s: float = 2.0) -> list[dict]:
-        """Per worker: the pool's view plus the engine's stats (None if it did not answer)."""
-        out = []
-        for w in list(self.workers.values()):
-            s = None
-            if w.info is not None:
-                try:
-                    s = await asyncio.wait_for(_aref(w.actor.stats.remote()), timeout_s)
-                except Exception:  # noqa: BLE001 - report what we know
-                    s = None
-            out.append({"worker_id": w.worker_id, "tenant": w.tenant, "ready": w.info is not None,
-                        "draining": w.draining, "inflight": w.inflight, "engine": s})
-        return out
+        """Per worker: the pool's view plus the engine's stats (None if it did not answer within
+        ``timeout_s``; the workers are asked concurrently, so the whole call takes <= ``timeout_s``)."""
+        workers = list(self.workers.values())
+
+        async def one(w: WorkerState) -> dict | None:
+            if w.info is None:
+                return None
+            try:
+                return await asyncio.wait_for(_aref(w.actor.stats.remote()), timeout_s)
+            except Exception:  # noqa: BLE001 - report what we know
+                return None
+
+        engines = await asyncio.gather(*(one(w) for w in workers))
+        return [{"worker_id": w.worker_id, "tenant": w.tenant, "ready": w.info is not None, "draining": w.draining,
+                 "inflight": w.inflight, "engine": s} for w, s in zip(workers, engines)]
 
     async def router_metrics(self) -> dict | None:
         """The router actor's metrics (decisions, bytes pulled, TTFT errors), None if unavailable."""
@@ -428,15 +465,23 @@ class WorkerPool:
 async def stream_outputs(actor, worker_id: str, request: Request, choice: RouteChoice) -> AsyncIterator[RequestOutput]:
     """A routed request's outputs, straight from its worker actor. Closing the iterator before
     the last output cancels the worker's generator and aborts the request there (its blocks are
-    freed); a dead worker raises ``WorkerDied``."""
+    freed). A dead worker (``ActorDiedError``) raises ``WorkerDied``; an unreachable one (any other
+    ``RayActorError``, e.g. ``ActorUnavailableError`` on a network blip: it may recover) raises
+    ``WorkerUnavailable``, so the caller fails the request but keeps the worker."""
     finished = False
     gen = actor.generate.remote(request, choice.pulls, choice.donor_pulls)
+    refs = aiter(gen)
     try:
-        async for ref in gen:
+        while True:
             try:
+                ref = await anext(refs)
                 out: RequestOutput = await ref
-            except ray.exceptions.RayActorError as e:
+            except StopAsyncIteration:
+                return
+            except ray.exceptions.ActorDiedError as e:
                 raise WorkerDied(f"worker {worker_id} died: {e}") from None
+            except ray.exceptions.RayActorError as e:
+                raise WorkerUnavailable(f"worker {worker_id} is unreachable; retry the request ({e})") from None
             finished = out.finished
             yield out
             if finished:

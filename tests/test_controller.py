@@ -2,7 +2,9 @@
 
 Tiny model on Ray Serve (127.0.0.1). The tests run in order on one app: sharing, a vanished
 client's lease reclaimed, a disconnect mid-stream, a configuration mismatch, then deleting the
-app stops the controller and its workers.
+app stops the controller and its workers. Before them, pool-level tests with fake worker actors
+(no Ray cluster): an unreachable worker is kept, stats are asked concurrently, the GPU count is
+resolved by the controller only.
 """
 
 import asyncio
@@ -82,6 +84,121 @@ def wait_until(pred, what, timeout_s=60.0):
         time.sleep(0.2)
 
 
+def _controller_gone(ray, app: str) -> bool:
+    from cluster.controller import NAMESPACE, controller_name
+
+    try:
+        ray.get_actor(controller_name(app), namespace=NAMESPACE)
+        return False
+    except ValueError:
+        return True
+
+
+# -- pool-level: fake worker actors, no cluster ----------------------------------------------------
+class _Method:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _Refs:
+    """A worker's streaming generator whose next ref raises ``error`` when awaited."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        async def ref():
+            raise self.error
+        return ref()
+
+
+class _FakeWorker:
+    def __init__(self, error: Exception):
+        self.generate = _Method(lambda *args: _Refs(error))
+        self.abort = _Method(lambda request_id: None)
+
+
+def _request(rid: str):
+    from engine.sequence import Request, SamplingParams
+
+    return Request(rid, tuple(range(3, 23)), SamplingParams(max_tokens=4, temperature=0), tenant="acme")
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
+async def test_an_unreachable_worker_fails_the_request_with_503_but_stays_in_the_pool(monkeypatch):
+    import ray
+
+    from cluster.app import _as_api_error
+    from cluster.pool import PoolConfig, WorkerDied, WorkerPool, WorkerState, WorkerUnavailable
+
+    killed = []
+    monkeypatch.setattr(ray, "kill", lambda actor, **kw: killed.append(actor))  # fakes: no Ray needed
+    monkeypatch.setattr(ray, "cancel", lambda ref, **kw: None)
+    pool = WorkerPool(PoolConfig(app="t", cost_aware_routing=False))
+    ws = WorkerState("t-w0", _FakeWorker(ray.exceptions.ActorUnavailableError("network blip", None)), info={})
+    pool.workers[ws.worker_id] = ws
+    pool._ready.set()
+    with pytest.raises(WorkerUnavailable) as e:
+        await _drain(pool.generate(_request("blip")))
+    assert not isinstance(e.value, WorkerDied) and _as_api_error(e.value).status == 503
+    assert pool.workers == {"t-w0": ws} and ws.routable and ws.inflight == 0  # kept, lease ended
+    assert killed == []
+    ws.actor = _FakeWorker(ray.exceptions.ActorDiedError())
+    with pytest.raises(WorkerDied):
+        await _drain(pool.generate(_request("died")))
+    assert pool.workers == {} and ws.dead and killed == [ws.actor]  # only a dead worker leaves the pool
+
+
+async def test_worker_stats_are_asked_concurrently():
+    from cluster.pool import PoolConfig, WorkerPool, WorkerState
+
+    n, asked, everyone = 4, [], asyncio.Event()
+
+    def stats():  # answers only once every worker was asked: a sequential poll times out
+        asked.append(1)
+        if len(asked) == n:
+            everyone.set()
+
+        async def answer():
+            await everyone.wait()
+            return {"running": 0}
+        return answer()
+
+    pool = WorkerPool(PoolConfig(cost_aware_routing=False))
+    for i in range(n):
+        pool.workers[f"w{i}"] = WorkerState(f"w{i}", type("W", (), {"stats": _Method(stats)})(), info={})
+    got = await pool.stats(timeout_s=1.0)
+    assert [w["engine"] for w in got] == [{"running": 0}] * n
+
+
+def test_replicas_send_the_gpu_count_unresolved_and_the_controller_resolves_it(monkeypatch):
+    import ray
+
+    from cluster.app import AppSettings, pool_config
+    from cluster.pool import resolve_pool_config
+    from policies.tenancy import Tenants
+
+    tenants, settings = Tenants.from_dict(TENANTS), AppSettings(model=TINY)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    first = pool_config(settings, tenants, APP)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0, "GPU": 1.0})
+    assert pool_config(settings, tenants, APP) == first  # a replica started after a GPU node joined matches
+    gpu, cpu = resolve_pool_config(first, cluster_gpus=1), resolve_pool_config(first, cluster_gpus=0)
+    assert (gpu.worker_num_gpus, gpu.engine.device, gpu.engine.dtype) == (1, "cuda", "bfloat16")
+    assert (cpu.worker_num_gpus, cpu.engine.device, cpu.engine.dtype) == (0, "cpu", "float32")
+    fixed = pool_config(AppSettings(model=TINY, worker_num_gpus=0, dtype="bfloat16"), tenants)
+    assert resolve_pool_config(fixed, cluster_gpus=1).engine.device == "cpu"  # given args are kept
+    assert resolve_pool_config(fixed, cluster_gpus=1).engine.dtype == "bfloat16"
+
+
+# -- one Serve app, two ingress replicas ------------------------------------------------------------
 def _pool_config(cluster):
     from cluster.app import pool_config
     from policies.tenancy import Tenants
@@ -98,6 +215,12 @@ def test_two_replicas_share_one_controller_and_one_worker(cluster):
     assert len(snap["clients"]) == 2  # both ingress replicas attached to the one controller
     assert all(c["begun"] > 0 for c in snap["clients"].values())  # and both served requests
     assert len(snap["workers"]) == 1  # workers: 1 in the app args, not 1 per replica
+    assert list(snap["workers"]) == [f"{APP}-w0"]  # ids unique per app: the shared index keys by them
+    from actors.router import ROUTER_NAME, ROUTER_NAMESPACE, router_name
+
+    cluster["ray"].get_actor(router_name(APP), namespace=ROUTER_NAMESPACE)  # the app's own router
+    with pytest.raises(ValueError):
+        cluster["ray"].get_actor(ROUTER_NAME, namespace=ROUTER_NAMESPACE)  # no router shared by all apps
     r = http(cluster).get("/kvmesh/workers", headers={"Authorization": "Bearer sk-acme"})
     assert len(r.json()["workers"]) == 1
     assert all(w["inflight"] == 0 for w in snap["workers"].values()) and not any(snap["admitted"].values())
@@ -167,21 +290,26 @@ def test_a_replica_with_another_configuration_is_refused(cluster):
     assert len(snapshot(cluster)["clients"]) == 2
 
 
+def test_a_controller_whose_pool_fails_to_start_exits(cluster):
+    from cluster.controller import ControllerClient
+
+    bad = dataclasses.replace(_pool_config(cluster), worker_num_cpus=-1.0)  # the worker class refuses it
+    with pytest.raises(ValueError, match="negative"):
+        asyncio.run(ControllerClient("doomed", bad, TENANTS, client_ttl_s=600.0).connect(timeout_s=60))
+    wait_until(lambda: _controller_gone(cluster["ray"], "doomed"), "the controller to exit", timeout_s=30)
+    assert len(snapshot(cluster)["clients"]) == 2  # the other app is untouched
+
+
 def test_deleting_the_app_stops_the_controller_and_its_workers(cluster):
     ray = cluster["ray"]
-    from cluster.controller import NAMESPACE, controller_name
+    from actors.router import ROUTER_NAMESPACE, router_name
 
     worker = cluster["worker"]
     assert ray.get(worker.ready.remote(), timeout=30)
+    router = ray.get_actor(router_name(APP), namespace=ROUTER_NAMESPACE)
     cluster["serve"].delete(APP)
-
-    def gone() -> bool:
-        try:
-            ray.get_actor(controller_name(APP), namespace=NAMESPACE)
-            return False
-        except ValueError:
-            return True
-
-    wait_until(gone, "the controller to exit")
+    wait_until(lambda: _controller_gone(ray, APP), "the controller to exit")
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(worker.ready.remote(), timeout=30)
+    with pytest.raises(ray.exceptions.RayActorError):  # the app's router died with its controller
+        ray.get(router.metrics.remote(), timeout=30)

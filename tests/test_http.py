@@ -251,6 +251,79 @@ def test_metrics_per_tenant(server):
     assert samples['kvmesh_requests_total{code="401",endpoint="completions",tenant="-"}'] >= 1
 
 
+def test_controller_failures_are_openai_errors_and_counted(server):
+    import ray
+
+    from cluster.app import build_app
+    from cluster.controller import NAMESPACE, controller_name
+
+    class _FailingController:  # local: Ray pickles it by value (actors cannot import this module)
+        """Stands in for an app's controller: replicas attach, then every controller call fails."""
+
+        def __init__(self):
+            self.metrics_calls = 0
+
+        def attach(self, *args):
+            return 3600.0  # heartbeat interval: none during the test
+
+        def heartbeat(self, *args):
+            return True
+
+        def detach(self, *args):
+            return None
+
+        def wait_ready(self, timeout_s):
+            return {"max_model_len": 1024}
+
+        def health(self):
+            return {"workers": 1, "ready": 1, "error": None}
+
+        def template(self, tenant, template_id):
+            raise TimeoutError("the controller is too slow")
+
+        def register_template(self, *args):
+            from cluster.controller import ControllerClosing
+
+            raise ControllerClosing("the controller is stopping")
+
+        def workers_view(self):
+            raise RuntimeError("boom")
+
+        def metrics_snapshot(self):
+            from cluster.pool import WorkerUnavailable
+
+            self.metrics_calls += 1
+            if self.metrics_calls == 1:
+                raise WorkerUnavailable("the kvmesh controller is unavailable")
+            return {"queue_depth": {}, "inflight": {}, "states": {"ready": 1, "starting": 0, "draining": 0},
+                    "assigned": {}, "router": None}
+
+    stub = ray.remote(num_cpus=0)(_FailingController).options(
+        name=controller_name("failing"), namespace=NAMESPACE, lifetime="detached").remote()
+    assert ray.get(stub.health.remote(), timeout=60)["ready"]  # registered under the name before replicas look
+    try:
+        server["serve"].run(build_app({"model": TINY, "tenants": server["tenants"], "worker_num_cpus": 0}),
+                            name="failing", route_prefix="/failing")
+        h, auth = http(server), {"Authorization": "Bearer sk-acme"}
+
+        def error(r, status, code):
+            assert r.status_code == status, r.text
+            err = r.json()["error"]
+            assert err["code"] == code and err["type"] == "server_error" and err["message"], err
+
+        body = {"model": TINY, "prompt": "x", "max_tokens": 1, "kvmesh": {"template": "t", "params": {}}}
+        error(h.post("/failing/v1/completions", headers=auth, json=body), 503, "controller_timeout")
+        error(h.post("/failing/v1/templates", headers=auth, json={"id": "t", "template": "hi {x}"}), 503,
+              "controller_unavailable")
+        error(h.get("/failing/kvmesh/workers", headers=auth), 500, "internal_error")
+        error(h.get("/failing/metrics"), 503, "worker_unavailable")
+        text = h.get("/failing/metrics").text
+        assert 'kvmesh_requests_total{code="503",endpoint="completions",tenant="acme"} 1.0' in text
+    finally:
+        server["serve"].delete("failing")
+        ray.kill(stub)
+
+
 @pytest.mark.model
 def test_greedy_http_completions_equal_hf_generate(server):
     """temperature 0 + reuse exact over HTTP == HF greedy generate, with and without cache hits."""
