@@ -42,7 +42,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engine.manual_forward import SeqKV, extend
+from engine.manual_forward import SeqKV, teacher_force
 from engine.remap import RemapResult, remap_prefill
 from engine.sequence import Request
 from engine.slot_pool import Donor, DonorPayload, SlotPool, slot_class_of
@@ -334,16 +334,16 @@ def teacher_forced_agreement(model: torch.nn.Module, logits: torch.Tensor, kv: S
     with ``exact_argmax`` (the exact argmax after the same tokens). Agreement at every position
     <=> greedy decoding from the approximate KV reproduces the exact greedy output (when the
     output was greedy, ``output_ids == exact_argmax``; for a sampled output it is top-1
-    agreement along the sampled path). One decode per compared position (``extend``)."""
+    agreement along the sampled path). The outputs after the first are teacher-forced in one
+    forward (``teacher_force``), not one decode each."""
     n = min(len(output_ids), len(exact_argmax))
     if n == 0:
         raise ValueError("a shadow check needs at least one output position")
     kl = first_token_kl(exact_first_logits, logits) if exact_first_logits is not None else 0.0
-    agree = 0
-    for i in range(n):
-        agree += int(logits.argmax()) == exact_argmax[i]
-        if i + 1 < n:
-            logits, kv = extend(model, kv, output_ids[i])
+    argmax = [int(logits.argmax())]
+    if n > 1:
+        argmax += teacher_force(model, kv, list(output_ids[: n - 1])).argmax(-1).tolist()
+    agree = sum(a == b for a, b in zip(argmax, exact_argmax[:n]))
     return ShadowSample(agree == n, agree / n, kl, n)
 
 

@@ -51,6 +51,7 @@ def partial_forward(
     given: SeqKV | None = None,
     select_layer: int | None = None,
     select: Selector | None = None,
+    all_logits: bool = False,
 ) -> tuple[torch.Tensor, SeqKV]:
     """Run ``rows`` (sorted indices into the sequence) through every layer; every other row's
     K/V is taken from ``given`` (which must hold it, rotated at ``positions``; it is not
@@ -58,8 +59,11 @@ def partial_forward(
     the last row must stay.
 
     A row attends to every row whose position is <= its own. Returns (logits of the last
-    sequence row ``[vocab]``, the sequence's K/V with the computed rows filled in).
+    sequence row ``[vocab]`` — or of every row in ``rows`` ``[R, vocab]`` with ``all_logits``,
+    which excludes ``select`` — and the sequence's K/V with the computed rows filled in).
     """
+    if all_logits and select is not None:
+        raise ValueError("all_logits needs every row through every layer (no select)")
     n = ids.shape[0]
     if rows.numel() == 0 or int(rows[-1]) != n - 1:
         raise ValueError("the last row must be computed (its logits are the output)")
@@ -75,10 +79,11 @@ def partial_forward(
     if select is not None:
         row_filter = lambda layer, k, v: select(layer, rows, k, v)  # noqa: E731
     seq = SeqSlice(0, rows.shape[0], n, torch.arange(n), mask, select_layer if select else None, row_filter)
-    batch = ForwardBatch(ids[rows], positions[rows], rows, [seq], None, None, None, torch.tensor([rows.shape[0] - 1]))
+    out_rows = torch.arange(rows.shape[0]) if all_logits else torch.tensor([rows.shape[0] - 1])
+    batch = ForwardBatch(ids[rows], positions[rows], rows, [seq], None, None, None, out_rows)
     runner = ModelRunner(model, PagedKVCache.wrap_dense(k_all, v_all), attention="sdpa")
-    logits = runner.forward(batch)[0]
-    return logits, SeqKV(k_all, v_all, positions.clone())
+    logits = runner.forward(batch)
+    return (logits if all_logits else logits[0]), SeqKV(k_all, v_all, positions.clone())
 
 
 def full_prefill(model: torch.nn.Module, ids: list[int], positions: list[int] | None = None) -> tuple[torch.Tensor, SeqKV]:
@@ -97,6 +102,20 @@ def extend(model: torch.nn.Module, kv: SeqKV, token: int, position: int | None =
     ids = torch.zeros(len(given), dtype=torch.long)
     ids[-1] = token
     return partial_forward(model, ids, given.positions, torch.tensor([len(given) - 1]), given)
+
+
+def teacher_force(model: torch.nn.Module, kv: SeqKV, tokens: list[int]) -> torch.Tensor:
+    """Logits ``[len(tokens), vocab]`` after each of ``tokens`` fed after ``kv`` at the next
+    positions, in one forward (row i sees the prompt and tokens[: i + 1])."""
+    m = len(tokens)
+    n_layers, _, n_kv, head_dim = model_dims(model)
+    start = int(kv.positions.max()) + 1
+    pad = torch.zeros(n_layers, m, n_kv, head_dim, dtype=kv.k.dtype)
+    positions = torch.cat([kv.positions, torch.arange(start, start + m)])
+    given = SeqKV(torch.cat([kv.k, pad], 1), torch.cat([kv.v, pad], 1), positions)
+    ids = torch.zeros(len(given), dtype=torch.long)
+    ids[-m:] = torch.tensor(tokens, dtype=torch.long)
+    return partial_forward(model, ids, positions, torch.arange(len(kv), len(given)), given, all_logits=True)[0]
 
 
 def greedy_continue(model: torch.nn.Module, logits: torch.Tensor, kv: SeqKV, n_new: int) -> list[int]:

@@ -394,3 +394,25 @@ def test_row_filter_in_a_mixed_batch_leaves_other_sequences_alone(tiny):
     b_alone, _ = partial_forward(tiny.model, torch.tensor(b), torch.arange(len(b)), torch.arange(len(b)), None, 0,
                                  lambda layer, rows, k, v: torch.tensor([1, 4, len(b) - 1]))
     torch.testing.assert_close(mixed[1], b_alone, atol=1e-5, rtol=1e-5)
+
+
+def test_teacher_force_in_one_forward_equals_decoding_token_by_token(tiny):
+    """The shadow check feeds the exact output through the approximate KV in one forward; its
+    logit rows equal one ``extend`` per token (what decoding would compute)."""
+    from engine.manual_forward import extend, full_prefill, teacher_force
+
+    ids = [(11 * i) % 200 + 3 for i in range(37)]
+    tokens = [5, 77, 190, 42, 8]
+    _, kv = full_prefill(tiny.model, ids)
+    rows = teacher_force(tiny.model, kv, tokens)
+    assert rows.shape[0] == len(tokens)
+    step_kv = kv
+    for i, t in enumerate(tokens):
+        logits, step_kv = extend(tiny.model, step_kv, t)
+        torch.testing.assert_close(rows[i], logits, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="all_logits"):
+        from engine.manual_forward import partial_forward
+
+        n = len(ids)
+        partial_forward(tiny.model, torch.tensor(ids), torch.arange(n), torch.arange(n), None, 0,
+                        lambda *a: torch.arange(n), all_logits=True)
