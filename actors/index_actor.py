@@ -175,29 +175,27 @@ def get_index():
         return None
 
 
-async def lookup_template_with_timeout(index, template_id: str, domains: Sequence[str],
-                                       timeout_s: float = 0.05) -> list[dict] | None:
-    """``IndexActor.lookup_template``; None on timeout or any failure (route without donors)."""
+async def _ask(index, method: str, *args, timeout_s: float):
+    """``index.<method>(*args)``; None without an index, on timeout or on any failure: callers
+    route without cache information rather than wait or fail."""
     if index is None:
         return None
     try:
-        return await asyncio.wait_for(_ref(index.lookup_template.remote(template_id, list(domains))), timeout_s)
+        return await asyncio.wait_for(_ref(getattr(index, method).remote(*args)), timeout_s)
     except (asyncio.TimeoutError, GetTimeoutError, ActorUnavailableError, ray.exceptions.RayError):
         return None
-    except Exception:  # never let slot information break routing
-        log.exception("index slot lookup failed")
+    except Exception:  # never let cache information break routing
+        log.exception("index %s failed", method)
         return None
+
+
+async def lookup_template_with_timeout(index, template_id: str, domains: Sequence[str],
+                                       timeout_s: float = 0.05) -> list[dict] | None:
+    """``IndexActor.lookup_template``; None on timeout or any failure (route without donors)."""
+    return await _ask(index, "lookup_template", template_id, list(domains), timeout_s=timeout_s)
 
 
 async def lookup_with_timeout(index, chains: Mapping[str, Sequence[bytes]],
                               timeout_s: float = 0.05) -> dict[str, int] | None:
     """Ask the index; None on timeout or any failure (route without cache information)."""
-    if index is None:
-        return None
-    try:
-        return await asyncio.wait_for(_ref(index.lookup.remote(dict(chains))), timeout_s)
-    except (asyncio.TimeoutError, GetTimeoutError, ActorUnavailableError, ray.exceptions.RayError):
-        return None
-    except Exception:  # never let cache information break routing
-        log.exception("index lookup failed")
-        return None
+    return await _ask(index, "lookup", dict(chains), timeout_s=timeout_s)

@@ -387,10 +387,19 @@ class ControllerClient:
 
     async def call(self, method: str, *args, timeout_s: float | None = None):
         """``Controller.<method>(*args)``; reconnects once if the controller died."""
+        return await self._invoke(method, args, timeout_s or self.call_timeout_s)
+
+    async def _invoke(self, method: str, args: tuple, timeout_s: float | None, on_cancel=None):
+        """``Controller.<method>(*args)`` (no time limit when ``timeout_s`` is None), reconnecting
+        once if the controller died; ``on_cancel(ref)`` runs if the caller is cancelled meanwhile."""
         for attempt in (0, 1):
+            ref = getattr(self.handle, method).remote(*args)
             try:
-                return await asyncio.wait_for(_aref(getattr(self.handle, method).remote(*args)),
-                                              timeout_s or self.call_timeout_s)
+                return await (ref if timeout_s is None else asyncio.wait_for(_aref(ref), timeout_s))
+            except asyncio.CancelledError:
+                if on_cancel is not None:
+                    on_cancel(ref)
+                raise
             except ray.exceptions.RayActorError:
                 if attempt:
                     raise WorkerUnavailable("the kvmesh controller is unavailable") from None
@@ -402,19 +411,9 @@ class ControllerClient:
         return await self.call("wait_ready", timeout_s, timeout_s=timeout_s + self.call_timeout_s)
 
     async def _begin(self, request: Request, ready_timeout_s: float) -> Lease:
-        for attempt in (0, 1):
-            ref = self.handle.begin.remote(self.client_id, request, ready_timeout_s)
-            try:
-                return await ref
-            except asyncio.CancelledError:  # the HTTP client left: end the lease once it exists
-                self._spawn(self._end_when_begun(ref))
-                raise
-            except ray.exceptions.RayActorError:
-                if attempt:
-                    raise WorkerUnavailable("the kvmesh controller is unavailable") from None
-                await self.connect()
-            except ray.exceptions.RayTaskError as e:
-                raise _cause(e) from None
+        # the HTTP client left while begin was in flight: end the lease once it exists
+        return await self._invoke("begin", (self.client_id, request, ready_timeout_s), None,
+                                  lambda ref: self._spawn(self._end_when_begun(ref)))
 
     async def _end_when_begun(self, ref) -> None:
         try:

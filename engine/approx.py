@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -119,8 +119,9 @@ class ApproxReuse:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.pool = SlotPool(config.bytes_per_domain, config.max_donors_per_domain)
         self.templates: dict[tuple[str, str], str] = {}  # (domain, template id) -> text
-        self.stats = {"approx_requests": 0, "donors_stored": 0, "no_donor": 0, "gate_exact": 0, "shadow_checks": 0,
-                      "shadow_disagreements": 0, "shadow_skipped": 0, "shadow_dropped": 0, "shadow_errors": 0}
+        self.stats = {"approx_requests": 0, "donors_stored": 0, "donors_imported": 0, "no_donor": 0, "gate_exact": 0,
+                      "shadow_checks": 0, "shadow_disagreements": 0, "shadow_skipped": 0, "shadow_dropped": 0,
+                      "shadow_errors": 0}
         self.gate = QualityGate()
         # detected-template families: (domain, sha256 of a prompt's ids) -> family key, LRU-bounded
         self._families: OrderedDict[tuple[str, bytes], str] = OrderedDict()
@@ -211,14 +212,14 @@ class ApproxReuse:
         r0 = self.config.recompute_ratio if request.recompute_ratio is None else float(request.recompute_ratio)
         cfg = self.config.gate_for(request.tenant)
         if cfg is None:
-            return ApproxMatch(m.donor, m.plan, m.suffix_start, m.instance, r0)
+            return replace(m, r=r0)
         key = (request.domain, template_key)
         d = self.gate.decide(key, cfg, r0)
         if not d.approximate:
             self.stats["gate_exact"] += 1
             if not d.shadow:
                 return None
-        return ApproxMatch(m.donor, m.plan, m.suffix_start, m.instance, d.r, d.shadow, key)
+        return replace(m, r=d.r, shadow=d.shadow, gate_key=key)
 
     def _family(self, request: Request, donor: Donor) -> str:
         """Gate key of an auto-detected template: the family of the matched donor (a donor
@@ -284,7 +285,7 @@ class ApproxReuse:
         donor = Donor(payload.domain, payload.tenant, tuple(int(t) for t in payload.token_ids),
                       SeqKV(k, v, torch.arange(n)), inst, payload.template_id, payload.slot_key)
         ok = self.pool.put(donor)
-        self.stats["donors_imported"] = self.stats.get("donors_imported", 0) + ok
+        self.stats["donors_imported"] += ok
         return ok
 
     def build(self, request: Request, m: ApproxMatch) -> RemapResult:

@@ -93,29 +93,32 @@ def full_prefill(model: torch.nn.Module, ids: list[int], positions: list[int] | 
     return partial_forward(model, t, pos, torch.arange(len(ids)))
 
 
+def _followed_by(model: torch.nn.Module, kv: SeqKV, tokens: list[int], positions: torch.Tensor
+                 ) -> tuple[torch.Tensor, SeqKV, torch.Tensor]:
+    """(ids, given KV, computed rows) for ``tokens`` fed after ``kv`` at ``positions``."""
+    m = len(tokens)
+    n_layers, _, n_kv, head_dim = model_dims(model)
+    pad = torch.zeros(n_layers, m, n_kv, head_dim, dtype=kv.k.dtype)
+    given = SeqKV(torch.cat([kv.k, pad], 1), torch.cat([kv.v, pad], 1),
+                  torch.cat([kv.positions, positions]))
+    ids = torch.zeros(len(given), dtype=torch.long)
+    ids[-m:] = torch.tensor(tokens, dtype=torch.long)
+    return ids, given, torch.arange(len(kv), len(given))
+
+
 def extend(model: torch.nn.Module, kv: SeqKV, token: int, position: int | None = None) -> tuple[torch.Tensor, SeqKV]:
     """Decode one token after ``kv`` (at the next position unless given)."""
     pos = int(kv.positions.max()) + 1 if position is None else position
-    n_layers, _, n_kv, head_dim = model_dims(model)
-    pad = torch.zeros(n_layers, 1, n_kv, head_dim, dtype=kv.k.dtype)
-    given = SeqKV(torch.cat([kv.k, pad], 1), torch.cat([kv.v, pad], 1), torch.cat([kv.positions, torch.tensor([pos])]))
-    ids = torch.zeros(len(given), dtype=torch.long)
-    ids[-1] = token
-    return partial_forward(model, ids, given.positions, torch.tensor([len(given) - 1]), given)
+    ids, given, rows = _followed_by(model, kv, [token], torch.tensor([pos]))
+    return partial_forward(model, ids, given.positions, rows, given)
 
 
 def teacher_force(model: torch.nn.Module, kv: SeqKV, tokens: list[int]) -> torch.Tensor:
     """Logits ``[len(tokens), vocab]`` after each of ``tokens`` fed after ``kv`` at the next
     positions, in one forward (row i sees the prompt and tokens[: i + 1])."""
-    m = len(tokens)
-    n_layers, _, n_kv, head_dim = model_dims(model)
     start = int(kv.positions.max()) + 1
-    pad = torch.zeros(n_layers, m, n_kv, head_dim, dtype=kv.k.dtype)
-    positions = torch.cat([kv.positions, torch.arange(start, start + m)])
-    given = SeqKV(torch.cat([kv.k, pad], 1), torch.cat([kv.v, pad], 1), positions)
-    ids = torch.zeros(len(given), dtype=torch.long)
-    ids[-m:] = torch.tensor(tokens, dtype=torch.long)
-    return partial_forward(model, ids, positions, torch.arange(len(kv), len(given)), given, all_logits=True)[0]
+    ids, given, rows = _followed_by(model, kv, tokens, torch.arange(start, start + len(tokens)))
+    return partial_forward(model, ids, given.positions, rows, given, all_logits=True)[0]
 
 
 def greedy_continue(model: torch.nn.Module, logits: torch.Tensor, kv: SeqKV, n_new: int) -> list[int]:
