@@ -89,10 +89,7 @@ class Lab:
 
     def shape(self, name: str, rate_mbit: float) -> None:
         """Change a link's rate (both ends) while running."""
-        node = self.nodes[name]
-        _sh(*_tbf("change", node.host_dev, rate_mbit))
-        _sh("ip", "netns", "exec", node.netns, *_tbf("change", node.peer_dev, rate_mbit))
-        self.nodes[name] = LabNode(node.name, node.netns, node.ip, node.host_dev, node.peer_dev, rate_mbit)
+        self.nodes[name] = shape_link(self.nodes[name], rate_mbit)
 
     def env(self) -> dict[str, str]:
         # "0" here makes `ray start --address` refuse to join ("multi-node not supported"); the lab
@@ -172,27 +169,39 @@ def _stop(lab: Lab) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
-@contextlib.contextmanager
-def netlab(links: Sequence[LinkSpec], *, head_cpus: int = 1, head_object_store_mb: int = 512,
-           connect: bool = True, boot_timeout_s: float = 90) -> Iterator[Lab]:
-    """Build the lab, start the Ray nodes (and connect the driver unless ``connect=False``)."""
+@dataclass
+class Network:
+    """Shaped veth links from the root namespace (the hub) to one namespace per ``LinkSpec``."""
+
+    tag: str
+    net: int  # the lab's addresses are 10.<net>.0.0/16
+    prefix: str = "kvm"
+    nodes: dict[str, LabNode] = field(default_factory=dict)
+    netns: list[str] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)
+    forward: str | None = None  # ip_forward before the lab changed it (None: unchanged)
+
+    def hub_ip(self, i: int) -> str:
+        return f"10.{self.net}.{i}.1"
+
+
+def build_network(links: Sequence[LinkSpec], prefix: str = "kvm") -> Network:
+    """Create the namespaces and shaped links (names start with ``prefix``); on error, what was
+    made is removed before the exception propagates. Needs root."""
     if os.geteuid() != 0:
         raise PermissionError("netlab needs root for ip netns / tc")
-    tag = f"{random.randrange(16**4):04x}"
-    net = _free_subnet()
-    temp_dir = tempfile.mkdtemp(prefix=f"kvm{tag}_", dir="/tmp")
-    head_ip = f"10.{net}.1.1"
-    lab = Lab(LabNode("head", None, head_ip, None, None, None), "", temp_dir)
-    forward = Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
-    connected = forward_changed = False
+    if not links:
+        raise ValueError("netlab needs at least one link")
+    network = Network(f"{random.randrange(16**4):04x}", _free_subnet(), prefix)
+    tag, net = network.tag, network.net
     try:
         for i, spec in enumerate(links, start=1):
-            ns, hdev, ndev = f"kvm-{tag}-{spec.name}", f"kvm{tag}h{i}", f"kvm{tag}n{i}"
-            host_ip, ip = f"10.{net}.{i}.1", f"10.{net}.{i}.2"
+            ns, hdev, ndev = f"{prefix}-{tag}-{spec.name}", f"{prefix}{tag}h{i}", f"{prefix}{tag}n{i}"
+            host_ip, ip = network.hub_ip(i), f"10.{net}.{i}.2"
             _sh("ip", "netns", "add", ns)
-            lab.netns.append(ns)
+            network.netns.append(ns)
             _sh("ip", "link", "add", hdev, "type", "veth", "peer", "name", ndev)
-            lab.links.append(hdev)
+            network.links.append(hdev)
             _sh("ip", "link", "set", ndev, "netns", ns)
             _sh("ip", "addr", "add", f"{host_ip}/24", "dev", hdev)
             _sh("ip", "link", "set", hdev, "up")
@@ -203,14 +212,49 @@ def netlab(links: Sequence[LinkSpec], *, head_cpus: int = 1, head_object_store_m
             _sh(*nx, "ip", "route", "add", f"10.{net}.0.0/16", "via", host_ip)
             _sh(*_tbf("add", hdev, spec.rate_mbit))
             _sh(*nx, *_tbf("add", ndev, spec.rate_mbit))
-            lab.nodes[spec.name] = LabNode(spec.name, ns, ip, hdev, ndev, spec.rate_mbit)
+            network.nodes[spec.name] = LabNode(spec.name, ns, ip, hdev, ndev, spec.rate_mbit)
+        forward = Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
         if len(links) > 1 and forward != "1":
             Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
-            forward_changed = True
+            network.forward = forward
+    except BaseException:
+        remove_network(network)
+        raise
+    return network
 
-        # the head binds the host end of the first link (root namespace); the lab needs >= 1 link
-        if not links:
-            raise ValueError("netlab needs at least one link")
+
+def remove_network(network: Network) -> None:
+    """Delete every namespace and link of ``network`` and restore ``ip_forward``."""
+    for ns in network.netns:
+        _sh("ip", "netns", "del", ns, check=False)  # takes the peer ends (and so the links) along
+    for dev in network.links:
+        if _sh("ip", "link", "show", dev, check=False).returncode == 0:
+            _sh("ip", "link", "del", dev, check=False)
+    if network.forward is not None:
+        Path("/proc/sys/net/ipv4/ip_forward").write_text(network.forward)
+        network.forward = None
+
+
+def shape_link(node: LabNode, rate_mbit: float) -> LabNode:
+    """Change a link's rate (both ends) while running; returns the updated node."""
+    _sh(*_tbf("change", node.host_dev, rate_mbit))
+    _sh("ip", "netns", "exec", node.netns, *_tbf("change", node.peer_dev, rate_mbit))
+    return LabNode(node.name, node.netns, node.ip, node.host_dev, node.peer_dev, rate_mbit)
+
+
+@contextlib.contextmanager
+def netlab(links: Sequence[LinkSpec], *, head_cpus: int = 1, head_object_store_mb: int = 512,
+           connect: bool = True, boot_timeout_s: float = 90) -> Iterator[Lab]:
+    """Build the lab, start the Ray nodes (and connect the driver unless ``connect=False``)."""
+    network = build_network(links)
+    tag, net = network.tag, network.net
+    temp_dir = tempfile.mkdtemp(prefix=f"kvm{tag}_", dir="/tmp")
+    head_ip = network.hub_ip(1)
+    lab = Lab(LabNode("head", None, head_ip, None, None, None), "", temp_dir, nodes=network.nodes,
+              netns=network.netns, links=network.links)
+    connected = False
+    try:
+        # the head binds the host end of the first link (root namespace)
         port = _free_port(head_ip)
         lab.gcs_address = f"{head_ip}:{port}"
         ports = {"--node-manager-port": _free_port(head_ip), "--object-manager-port": _free_port(head_ip),
@@ -260,20 +304,14 @@ def netlab(links: Sequence[LinkSpec], *, head_cpus: int = 1, head_object_store_m
             with contextlib.suppress(Exception):
                 ray.shutdown()
         _stop(lab)
-        for ns in lab.netns:
-            _sh("ip", "netns", "del", ns, check=False)  # takes the peer ends (and so the links) along
-        for dev in lab.links:
-            if _sh("ip", "link", "show", dev, check=False).returncode == 0:
-                _sh("ip", "link", "del", dev, check=False)
-        if forward_changed:
-            Path("/proc/sys/net/ipv4/ip_forward").write_text(forward)
+        remove_network(network)
         if not os.environ.get("KVMESH_NETLAB_KEEP_LOGS"):
             shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def leftovers() -> list[str]:
-    """Namespaces and links named like a lab's (``kvm-...`` / ``kvm<tag>h<i>``): should be []."""
-    ns = [l.split()[0] for l in _sh("ip", "netns", "list").stdout.splitlines() if l.startswith("kvm-")]
+def leftovers(prefix: str = "kvm") -> list[str]:
+    """Namespaces and links named like a lab's (``<prefix>-...`` / ``<prefix><tag>h<i>``): should be []."""
+    ns = [l.split()[0] for l in _sh("ip", "netns", "list").stdout.splitlines() if l.startswith(f"{prefix}-")]
     links = [l.split(":")[1].strip().split("@")[0] for l in _sh("ip", "-o", "link").stdout.splitlines()
-             if l.split(":")[1].strip().startswith("kvm")]
+             if l.split(":")[1].strip().startswith(prefix)]
     return ns + links

@@ -1,0 +1,114 @@
+"""``ray up`` / ``ray exec`` / ``ray down`` of the project's own local-provider config.
+
+``sibling_config`` turns the shipped ``cluster/ray-up-local.yaml`` into the config of one bench
+run, changing only what a user edits for their machines plus what this machine's hosts need,
+each named in ``CHANGES`` (the bench writes them into its JSON):
+
+* ``provider.head_ip`` / ``worker_ips``, ``auth``, ``max_workers``: the fields the shipped file
+  says to edit (IPs, user, key; ``max_workers`` = number of worker IPs);
+* ``cluster_name``: one per run, so the local provider's state files never collide;
+* ``setup_commands``: the hosts are pre-provisioned (the bench's own Python venv and the model
+  cache are on the shared filesystem), so ``make setup model`` becomes "link the venv as
+  ``~/kvmesh/.venv`` and the cache as ``~/.cache/kvmesh``, then ``python -m engine.model_loader
+  default``" (``make model`` without the venv build);
+* start commands: ``--num-cpus`` per node (one per worker: one engine thread each, and the head
+  none, so that every worker lands on a worker node) and ``--object-store-memory`` (this
+  machine's RAM is shared by five nodes).
+
+The shipped config itself names the head's address in its start command
+(``--node-ip-address``, the same address as ``head_ip``; the bench substitutes this run's): without
+it, a head without a default route (these namespaces; air-gapped on-prem machines) advertises a
+wrong address and no worker can join (Ray's local provider sets ``$RAY_HEAD_IP`` only for worker
+commands).
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "cluster" / "ray-up-local.yaml"
+
+CHANGES = (
+    "provider.head_ip/worker_ips, auth.ssh_user/ssh_private_key, max_workers: this run's hosts (the edits the "
+    "shipped file asks for)",
+    "cluster_name: unique per run (local provider state files)",
+    "setup_commands: hosts are pre-provisioned (shared venv + model cache linked into ~), so `make setup model` "
+    "becomes links + `python -m engine.model_loader default`",
+    "start commands: --num-cpus (1 per worker node, 0 on the head) and --object-store-memory per node",
+    "head start command: the shipped --node-ip-address (= head_ip) replaced by this run's head address",
+)
+
+
+def venv_dir() -> Path:
+    """The venv of the interpreter running the bench (the repo's own .venv when run from it)."""
+    return Path(sys.prefix)
+
+
+def sibling_config(shipped: dict, *, cluster_name: str, head_ip: str, worker_ips: list[str], key: Path,
+                   venv: Path, model_cache: Path, head_cpus: int = 0, worker_cpus: int = 1,
+                   object_store_mb: int = 256) -> dict:
+    """This run's ``ray up`` config, derived from ``shipped`` (see the module docstring)."""
+    cfg = copy.deepcopy(shipped)
+    cfg["cluster_name"] = cluster_name
+    cfg["provider"] = {**cfg["provider"], "head_ip": head_ip, "worker_ips": list(worker_ips)}
+    cfg["auth"] = {"ssh_user": "root", "ssh_private_key": str(key)}
+    cfg["max_workers"] = len(worker_ips)
+    cfg["setup_commands"] = [
+        f"mkdir -p ~/kvmesh ~/.cache && ln -sfn {venv} ~/kvmesh/.venv && ln -sfn {model_cache} ~/.cache/kvmesh",
+        "cd ~/kvmesh && .venv/bin/python -m engine.model_loader default",
+    ]
+    store = f"--object-store-memory={object_store_mb << 20}"
+    shipped_head = shipped["provider"]["head_ip"]
+
+    def start(cmds: list[str], cpus: int) -> list[str]:
+        out = []
+        for c in cmds:
+            if " start " in f" {c} " and "ray start" in c:
+                c = f"{c} --num-cpus={cpus} {store}"
+            out.append(c.replace(shipped_head, head_ip) if "--head" in c else c)
+        return out
+
+    cfg["head_start_ray_commands"] = start(cfg["head_start_ray_commands"], head_cpus)
+    cfg["worker_start_ray_commands"] = start(cfg["worker_start_ray_commands"], worker_cpus)
+    return cfg
+
+
+def load_shipped(path: Path = SHIPPED) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def write_config(cfg: dict, path: Path) -> Path:
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _ray(*args: str, timeout_s: float, log: Path | None = None) -> subprocess.CompletedProcess:
+    cmd = [str(venv_dir() / "bin" / "ray"), *args]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    if log is not None:
+        with open(log, "a") as f:
+            f.write(f"$ {' '.join(cmd)}\n{r.stdout}\n{r.stderr}\n(rc={r.returncode})\n")
+    return r
+
+
+def ray_up(config: Path, log: Path, timeout_s: float = 600) -> None:
+    r = _ray("up", "-y", "--no-config-cache", "--disable-usage-stats", str(config), timeout_s=timeout_s, log=log)
+    if r.returncode != 0:
+        raise RuntimeError(f"ray up failed ({r.returncode}); see {log}:\n{r.stderr[-2000:]}")
+
+
+def ray_exec(config: Path, command: str, log: Path, timeout_s: float = 300, check: bool = True) -> str:
+    r = _ray("exec", str(config), command, timeout_s=timeout_s, log=log)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"ray exec {command!r} failed ({r.returncode}); see {log}:\n{(r.stdout + r.stderr)[-2000:]}")
+    return r.stdout
+
+
+def ray_down(config: Path, log: Path, timeout_s: float = 180) -> int:
+    return _ray("down", "-y", str(config), timeout_s=timeout_s, log=log).returncode

@@ -1,0 +1,183 @@
+"""Machines on one machine: SSH hosts in network namespaces behind shaped links, for ``ray up``.
+
+    with ssh_hosts([LinkSpec("head", 1000), LinkSpec("w1", 1000), LinkSpec("w4", 100)]) as lab:
+        lab.hosts["head"].ip, lab.key        # ssh -i lab.key root@<ip> runs inside that host
+
+Each host is a ``bench.netlab`` namespace (tbf-shaped veth to the root namespace, which is the hub
+and forwards between hosts) plus its own PID and mount namespace (``unshare --pid --mount
+--fork --kill-child --mount-proc``) with a private ``/tmp``, running one ``sshd`` as its PID 1.
+So a host behaves like a separate machine where it matters for Ray: ``ray stop`` run on a host
+(Ray's start commands and ``ray down`` both run it) sees only that host's processes, never the
+other Ray clusters on this machine; ``/tmp/ray`` and the local provider's state files are
+per host. The filesystem is otherwise shared (the repo, the Python venv, the model cache).
+Root logs in with a key generated per run; ``sshd`` sets ``HOME`` to a per-host directory, so
+``~`` (``~/kvmesh``, ``~/ray_bootstrap_key.pem``) is per host too.
+
+On exit (also on error or Ctrl-C) the context kills each host's ``unshare`` by PID (its child, the
+host's PID 1, dies with it and the kernel kills every process in that PID namespace), deletes
+the namespaces and links and removes the run directory. Needs root and ``openssh-server``
+(``ensure_sshd`` installs it with apt-get once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from bench.netlab import LinkSpec, Network, build_network, remove_network
+
+SSHD = "/usr/sbin/sshd"
+RUN_ROOT = Path("/var/tmp")  # not /tmp: each host mounts its own /tmp over it
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    ip: str
+    netns: str
+    rate_mbit: float
+    home: Path  # ~ of root on this host
+    tmp: Path  # mounted on /tmp inside the host
+
+
+@dataclass
+class HostLab:
+    run_dir: Path
+    key: Path  # private key that logs in as root on every host
+    network: Network
+    hosts: dict[str, Host] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    pid_namespaces: dict[str, str] = field(default_factory=dict)  # host -> "pid:[inode]"
+
+    def ssh(self, host: str, command: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+        """Run ``command`` on ``host`` over SSH (as ``ray up`` would)."""
+        return subprocess.run(["ssh", *ssh_options(self.key), f"root@{self.hosts[host].ip}", command],
+                              capture_output=True, text=True, timeout=timeout_s)
+
+
+def ssh_options(key: Path) -> list[str]:
+    return ["-i", str(key), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+            "-o", "LogLevel=ERROR", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+
+
+def ensure_sshd() -> None:
+    """Install openssh-server (and rsync, which ``ray up`` file mounts use) once."""
+    missing = [pkg for pkg, path in (("openssh-server", SSHD), ("rsync", "/usr/bin/rsync")) if not Path(path).exists()]
+    if not missing:
+        return
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing], check=True, env=env,
+                   capture_output=True)
+
+
+def sshd_config(host: Host, run_dir: Path, host_key: Path, authorized: Path, extra_env: dict[str, str]) -> str:
+    """The host's sshd_config: root by key only, on the host's address, ``HOME`` per host."""
+    env = " ".join(f'{k}="{v}"' for k, v in {"HOME": str(host.home), **extra_env}.items())
+    return "\n".join([
+        f"ListenAddress {host.ip}", "Port 22", f"HostKey {host_key}", f"AuthorizedKeysFile {authorized}",
+        "PermitRootLogin prohibit-password", "PubkeyAuthentication yes", "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no", "PrintMotd no", "UseDNS no",
+        f"PidFile {run_dir}/sshd-{host.name}.pid", "MaxStartups 100:30:200", "MaxSessions 100",
+        "Subsystem sftp internal-sftp", f"SetEnv {env}", "",
+    ])
+
+
+def _wait_port(ip: str, port: int, timeout_s: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sshd for {ip} exited ({proc.returncode})")
+        with contextlib.suppress(OSError), socket.create_connection((ip, port), timeout=1):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"sshd on {ip}:{port} did not come up")
+
+
+def _stop_hosts(lab: HostLab) -> None:
+    for p in lab.procs.values():
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGTERM)  # --kill-child: the host's PID 1 gets SIGKILL
+    for p in lab.procs.values():
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5)
+
+
+def _pid_ns(pid: int) -> str | None:
+    """The PID namespace of ``pid``'s first child (the host's PID 1 under ``unshare --fork``)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        child = int(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()[0])
+        return os.readlink(f"/proc/{child}/ns/pid")
+    return None
+
+
+def leftover_pids(lab: HostLab) -> list[int]:
+    """PIDs of live processes still inside the hosts' PID namespaces: [] after the context exits
+    (zombies are left out: they hold nothing, and only this machine's init can reap them)."""
+    out = []
+    for d in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            if (os.readlink(d / "ns" / "pid") in lab.pid_namespaces.values()
+                    and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"):
+                out.append(int(d.name))
+    return out
+
+
+@contextlib.contextmanager
+def ssh_hosts(links: Sequence[LinkSpec], prefix: str = "kvm", env: dict[str, str] | None = None,
+              boot_timeout_s: float = 30) -> Iterator[HostLab]:
+    """Build the hosts and start their sshd; ``env`` is set in every SSH session on them."""
+    ensure_sshd()
+    Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation directory
+    network = build_network(links, prefix=prefix)
+    run_dir = RUN_ROOT / f"{prefix}-{network.tag}"
+    lab = HostLab(run_dir, run_dir / "id_ed25519", network)
+    try:
+        run_dir.mkdir(mode=0o700)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(lab.key)], check=True)
+        host_key = run_dir / "host_ed25519"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(host_key)], check=True)
+        authorized = run_dir / "authorized_keys"
+        shutil.copy(lab.key.with_suffix(".pub"), authorized)
+        for spec in links:
+            node = network.nodes[spec.name]
+            host = Host(spec.name, node.ip, node.netns, spec.rate_mbit, run_dir / "home" / spec.name,
+                        run_dir / "tmp" / spec.name)
+            host.home.mkdir(parents=True)
+            host.tmp.mkdir(parents=True)
+            host.tmp.chmod(0o1777)
+            (host.home / ".bashrc").write_text("")  # Ray's commands `source ~/.bashrc` first
+            conf = run_dir / f"sshd-{spec.name}.conf"
+            conf.write_text(sshd_config(host, run_dir, host_key, authorized, env or {}))
+            inner = f"mount --bind {host.tmp} /tmp && exec {SSHD} -D -e -f {conf}"
+            log = open(run_dir / f"sshd-{spec.name}.log", "wb")
+            lab.procs[spec.name] = subprocess.Popen(
+                ["ip", "netns", "exec", node.netns, "unshare", "--pid", "--mount", "--fork", "--kill-child",
+                 "--mount-proc", "sh", "-c", inner], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            lab.hosts[spec.name] = host
+        for name, host in lab.hosts.items():
+            _wait_port(host.ip, 22, boot_timeout_s, lab.procs[name])
+            ns = _pid_ns(lab.procs[name].pid)
+            if ns is None or ns == os.readlink("/proc/self/ns/pid"):
+                raise RuntimeError(f"host {name} is not in a PID namespace of its own")
+            lab.pid_namespaces[name] = ns
+        yield lab
+    finally:
+        _stop_hosts(lab)
+        remove_network(network)
+        if not os.environ.get("KVMESH_NETLAB_KEEP_LOGS"):
+            shutil.rmtree(run_dir, ignore_errors=True)
