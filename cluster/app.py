@@ -260,12 +260,19 @@ class KvmeshIngress:
         self.tenants = Tenants.from_dict(tenants_data)
         self.model_name, self.tokenizer = load_tokenizer(s.model)
         self.metrics = Metrics(self.tenants.names())
-        # One controller per app, shared by all ingress replicas (the first one creates it).
-        app_name = serve.get_replica_context().app_name
-        self.pool = ControllerClient(app_name, pool_config(s, self.tenants, app_name), tenants_data, s.client_ttl_s)
-        await self.pool.connect()
+        self.pool = await self._open_pool(tenants_data)
         info = await self.pool.wait_ready(s.ready_timeout_s)
         self.max_model_len = int(info["max_model_len"])
+
+    async def _open_pool(self, tenants_data: dict):
+        """What serves the requests behind this ingress: the app's controller, one per app and
+        shared by all ingress replicas (the first one creates it). ``cluster.baselines``
+        overrides this to put plain Serve engine replicas behind the same front end."""
+        app_name = serve.get_replica_context().app_name
+        pool = ControllerClient(app_name, pool_config(self.settings, self.tenants, app_name), tenants_data,
+                                self.settings.client_ttl_s)
+        await pool.connect()
+        return pool
 
     async def __del__(self):  # Serve calls it when the replica stops: the last one stops the workers
         await self.pool.close()

@@ -35,6 +35,10 @@ class Metrics:
         self.router_failures = Gauge("kvmesh_router_pull_failures", "Failed pulls (recomputed)", registry=r)
         self.router_error = Gauge("kvmesh_router_ttft_error_seconds",
                                   "Mean |predicted - measured| TTFT by route kind", ["kind"], registry=r)
+        self.router_placements = Gauge("kvmesh_router_placements",
+                                       "Routing choices by placement rule (match, placed, spilled, fallback)",
+                                       ["kind"], registry=r)
+        self.router_routed = Gauge("kvmesh_router_routed", "Requests routed to each worker", ["worker"], registry=r)
         for t in tenants:  # every tenant has series from the first scrape
             for m in (self.prompt_tokens, self.cached_tokens, self.completion_tokens, self.queue_depth, self.inflight):
                 m.labels(tenant=t)
@@ -50,8 +54,10 @@ class Metrics:
 
     def render(self, queue_depth: dict[str, int], inflight: dict[str, int], workers: dict[str, int],
                assigned: dict[str, int], router: dict | None = None) -> bytes:
-        """The exposition text, with gauges refreshed from the given snapshots (``router``: the
-        router actor's ``metrics()``, None when it did not answer)."""
+        """The exposition text, with gauges refreshed from the given snapshots. ``router``: the
+        controller's routing counts (``decisions`` by kind, ``placements`` by rule, ``routed`` per
+        worker, ``bytes_pulled``, ``pull_failures``, ``ttft_error`` by kind; any may be missing),
+        None when it did not answer."""
         if router:
             for kind, n in router.get("decisions", {}).items():
                 self.router_decisions.labels(kind=kind).set(n)
@@ -59,6 +65,10 @@ class Metrics:
             self.router_failures.set(router.get("pull_failures", 0))
             for kind, e in router.get("ttft_error", {}).items():
                 self.router_error.labels(kind=kind).set(e["mean_abs_s"])
+            for kind, n in router.get("placements", {}).items():
+                self.router_placements.labels(kind=kind).set(n)
+            for worker, n in router.get("routed", {}).items():
+                self.router_routed.labels(worker=worker).set(n)
         for g, values in ((self.queue_depth, queue_depth), (self.inflight, inflight)):
             for labels in list(g._metrics):  # reset tenants that dropped to 0
                 g.labels(*labels).set(0)

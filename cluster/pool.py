@@ -8,7 +8,8 @@ holder and requests sent to a chosen target worker; plain actor handles give bot
 Serve replicas are reachable only through a handle's router. Ray's cluster autoscaler adds GPU
 nodes when the pool asks for more ``num_gpus=1`` actors than fit.
 
-Routing is one replaceable object, ``Router.choose(request, candidates)``; today
+Routing is one replaceable object, ``Router.choose(request, candidates)`` (the shared types live in
+``cluster.types``, imported by this module and by ``cluster.routing``); without cost-aware routing
 ``LeastLoadedRouter`` picks the worker with the fewest in-flight tokens. Later routers (prefix
 index lookup, network-aware cost model) plug in here and may name a pull source.
 
@@ -38,61 +39,19 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol, Sequence
+from typing import AsyncIterator
 
 import ray
 
 from actors.worker import worker_actor_class
+from cluster.routing import CostAwareRouter
+from cluster.types import (LeastLoadedRouter, RouteChoice, Router, WorkerDied, WorkerState,  # noqa: F401 - re-exported
+                           WorkerUnavailable)
 from engine.llm_engine import EngineConfig
 from engine.sequence import InvalidRequest, Request, RequestOutput
 from policies.autoscale import AutoscaleConfig, ScaleDecision, TenantAutoscaler, TenantDemand, TenantShare
 
 log = logging.getLogger(__name__)
-
-
-class WorkerUnavailable(RuntimeError):
-    """No worker could take the request (none ready, or the chosen one died)."""
-
-
-class WorkerDied(WorkerUnavailable):
-    """The worker serving a stream died (its actor is gone)."""
-
-
-@dataclass(eq=False)
-class WorkerState:
-    worker_id: str
-    actor: object  # ray ActorHandle of actors.worker.Worker
-    info: dict | None = None  # Worker.ready(); None while starting
-    tenant: str | None = None  # tenant this worker is assigned to; None = shared
-    inflight: int = 0
-    inflight_tokens: int = 0
-    draining: bool = False
-    dead: bool = False
-
-    @property
-    def routable(self) -> bool:
-        return self.info is not None and not self.draining and not self.dead
-
-
-@dataclass(frozen=True)
-class RouteChoice:
-    worker_id: str
-    route: str = "local"  # planned: local | pulled | recomputed (the worker reports what happened)
-    pulls: tuple = ()  # actors.worker.Pull instructions for the chosen worker
-    expected_ttft_s: float | None = None
-    donor_pulls: tuple = ()  # actors.worker.DonorPull offers (approximate reuse) for the chosen worker
-
-
-class Router(Protocol):
-    async def choose(self, request: Request, candidates: Sequence[WorkerState]) -> RouteChoice: ...
-
-
-class LeastLoadedRouter:
-    """Fewest in-flight tokens, then fewest requests, then worker id (deterministic)."""
-
-    async def choose(self, request: Request, candidates: Sequence[WorkerState]) -> RouteChoice:
-        w = min(candidates, key=lambda w: (w.inflight_tokens, w.inflight, w.worker_id))
-        return RouteChoice(w.worker_id)
 
 
 @dataclass(frozen=True)
@@ -236,7 +195,6 @@ class WorkerPool:
         """Publish the worker's blocks to the index, let it report measurements to the router,
         and switch the pool to cost-aware routing once the model id is known."""
         from actors.router import RouterClient, get_or_create_router
-        from cluster.routing import CostAwareRouter
         from policies.routing import CostConfig
 
         if self._router_actor is None:  # the first ready worker tells the KV size per token

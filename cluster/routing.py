@@ -27,7 +27,7 @@ from actors.index_actor import lookup_template_with_timeout, lookup_with_timeout
 from actors.prefix_index import prompt_chains
 from actors.router import RouterClient
 from actors.worker import DonorPull, Pull
-from cluster.pool import LeastLoadedRouter, RouteChoice, WorkerState
+from cluster.types import LeastLoadedRouter, RouteChoice, WorkerState
 from engine.sequence import Request
 from policies.replication import ReplicationConfig, ReplicationPolicy
 from policies.routing import WorkerLoad

@@ -1,0 +1,61 @@
+"""Types shared by the worker pool (``cluster.pool``) and its routers (``cluster.routing``).
+
+Both modules import from here and neither imports the other's internals for its types, so the
+pool can import its router at module level (no import cycle).
+
+Invariants: ``WorkerState.inflight``/``inflight_tokens`` count requests the pool ``acquire``d on
+the worker and has not ``release``d; a worker is ``routable`` only when ready, not draining and
+not dead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from engine.sequence import Request
+
+
+class WorkerUnavailable(RuntimeError):
+    """No worker could take the request (none ready, or the chosen one died)."""
+
+
+class WorkerDied(WorkerUnavailable):
+    """The worker serving a stream died (its actor is gone)."""
+
+
+@dataclass(eq=False)
+class WorkerState:
+    worker_id: str
+    actor: object  # ray ActorHandle of actors.worker.Worker
+    info: dict | None = None  # Worker.ready(); None while starting
+    tenant: str | None = None  # tenant this worker is assigned to; None = shared
+    inflight: int = 0
+    inflight_tokens: int = 0
+    draining: bool = False
+    dead: bool = False
+
+    @property
+    def routable(self) -> bool:
+        return self.info is not None and not self.draining and not self.dead
+
+
+@dataclass(frozen=True)
+class RouteChoice:
+    worker_id: str
+    route: str = "local"  # planned: local | pulled | recomputed (the worker reports what happened)
+    pulls: tuple = ()  # actors.worker.Pull instructions for the chosen worker
+    expected_ttft_s: float | None = None
+    donor_pulls: tuple = ()  # actors.worker.DonorPull offers (approximate reuse) for the chosen worker
+
+
+class Router(Protocol):
+    async def choose(self, request: Request, candidates: Sequence[WorkerState]) -> RouteChoice: ...
+
+
+class LeastLoadedRouter:
+    """Fewest in-flight tokens, then fewest requests, then worker id (deterministic)."""
+
+    async def choose(self, request: Request, candidates: Sequence[WorkerState]) -> RouteChoice:
+        w = min(candidates, key=lambda w: (w.inflight_tokens, w.inflight, w.worker_id))
+        return RouteChoice(w.worker_id)
