@@ -7,13 +7,13 @@ each named in ``CHANGES`` (the bench writes them into its JSON):
 * ``provider.head_ip`` / ``worker_ips``, ``auth``, ``max_workers``: the fields the shipped file
   says to edit (IPs, user, key; ``max_workers`` = number of worker IPs);
 * ``cluster_name``: one per run, so the local provider's state files never collide;
-* ``setup_commands``: the hosts are pre-provisioned (the bench's own Python venv and the model
-  cache are on the shared filesystem), so ``make setup model`` becomes "link the venv as
-  ``~/kvmesh/.venv`` and the cache as ``~/.cache/kvmesh``, then ``python -m engine.model_loader
-  default``" (``make model`` without the venv build);
+* ``setup_commands``: the hosts are pre-provisioned (the bench's own Python venv is on the shared
+  filesystem, the converted model is in the cache mounted at ``~/.cache/kvmesh``), so ``make setup
+  model`` becomes "link the venv as ``~/kvmesh/.venv``" (on this 2-core machine the model
+  loader's check, run on four workers at once, also starves the Ray agents starting next to it);
 * start commands: ``--num-cpus`` per node (one per worker: one engine thread each, and the head
-  none, so that every worker lands on a worker node) and ``--object-store-memory`` (this
-  machine's RAM is shared by five nodes).
+  none, so that every worker lands on a worker node), ``--object-store-memory`` (this machine's
+  RAM is shared by five nodes) and fixed raylet/agent ports (``FIXED_PORTS``).
 
 The shipped config itself names the head's address in its start command
 (``--node-ip-address``, the same address as ``head_ip``; the bench substitutes this run's): without
@@ -34,13 +34,23 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "cluster" / "ray-up-local.yaml"
 
+# Every host has its own network namespace, so fixed ports never collide. With dynamic ports the
+# raylet waits ~15 s for the dashboard agent to report its port and aborts the node ("Timed out
+# waiting for file .../metrics_agent_port_..."): on this shared 2-core machine the agent's start
+# takes longer than that.
+FIXED_PORTS = {"node-manager-port": 8076, "object-manager-port": 8077, "metrics-export-port": 8078,
+               "dashboard-agent-grpc-port": 8079, "dashboard-agent-listen-port": 52365,
+               "runtime-env-agent-port": 8080}
+
 CHANGES = (
     "provider.head_ip/worker_ips, auth.ssh_user/ssh_private_key, max_workers: this run's hosts (the edits the "
     "shipped file asks for)",
     "cluster_name: unique per run (local provider state files)",
-    "setup_commands: hosts are pre-provisioned (shared venv + model cache linked into ~), so `make setup model` "
-    "becomes links + `python -m engine.model_loader default`",
-    "start commands: --num-cpus (1 per worker node, 0 on the head) and --object-store-memory per node",
+    "setup_commands: hosts are pre-provisioned (shared venv linked as ~/kvmesh/.venv, converted model in the "
+    "cache mounted at ~/.cache/kvmesh), so `make setup model` becomes the link",
+    "start commands: --num-cpus (1 per worker node, 0 on the head), --object-store-memory per node, fixed "
+    "agent/raylet ports (a dynamic-port dashboard agent that starts slower than ~15 s aborts its raylet on this "
+    "loaded machine)",
     "head start command: the shipped --node-ip-address (= head_ip) replaced by this run's head address",
 )
 
@@ -51,7 +61,7 @@ def venv_dir() -> Path:
 
 
 def sibling_config(shipped: dict, *, cluster_name: str, head_ip: str, worker_ips: list[str], key: Path,
-                   venv: Path, model_cache: Path, head_cpus: int = 0, worker_cpus: int = 1,
+                   venv: Path, head_cpus: int = 0, worker_cpus: int = 1,
                    object_store_mb: int = 256) -> dict:
     """This run's ``ray up`` config, derived from ``shipped`` (see the module docstring)."""
     cfg = copy.deepcopy(shipped)
@@ -59,11 +69,8 @@ def sibling_config(shipped: dict, *, cluster_name: str, head_ip: str, worker_ips
     cfg["provider"] = {**cfg["provider"], "head_ip": head_ip, "worker_ips": list(worker_ips)}
     cfg["auth"] = {"ssh_user": "root", "ssh_private_key": str(key)}
     cfg["max_workers"] = len(worker_ips)
-    cfg["setup_commands"] = [
-        f"mkdir -p ~/kvmesh ~/.cache && ln -sfn {venv} ~/kvmesh/.venv && ln -sfn {model_cache} ~/.cache/kvmesh",
-        "cd ~/kvmesh && .venv/bin/python -m engine.model_loader default",
-    ]
-    store = f"--object-store-memory={object_store_mb << 20}"
+    cfg["setup_commands"] = [f"mkdir -p ~/kvmesh && ln -sfn {venv} ~/kvmesh/.venv"]
+    store = f"--object-store-memory={object_store_mb << 20} " + " ".join(f"--{k}={v}" for k, v in FIXED_PORTS.items())
     shipped_head = shipped["provider"]["head_ip"]
 
     def start(cmds: list[str], cpus: int) -> list[str]:
@@ -97,8 +104,12 @@ def _ray(*args: str, timeout_s: float, log: Path | None = None) -> subprocess.Co
     return r
 
 
-def ray_up(config: Path, log: Path, timeout_s: float = 600) -> None:
-    r = _ray("up", "-y", "--no-config-cache", "--disable-usage-stats", str(config), timeout_s=timeout_s, log=log)
+def ray_up(config: Path, log: Path, timeout_s: float = 600, restart_only: bool = False) -> None:
+    """``ray up -y``; ``restart_only``: restart Ray on the head without setup (the head's
+    autoscaler then starts the workers that are not up again)."""
+    extra = ["--restart-only"] if restart_only else []
+    r = _ray("up", "-y", "--no-config-cache", "--disable-usage-stats", *extra, str(config), timeout_s=timeout_s,
+             log=log)
     if r.returncode != 0:
         raise RuntimeError(f"ray up failed ({r.returncode}); see {log}:\n{r.stderr[-2000:]}")
 

@@ -9,13 +9,15 @@ and forwards between hosts) plus its own PID and mount namespace (``unshare --pi
 So a host behaves like a separate machine where it matters for Ray: ``ray stop`` run on a host
 (Ray's start commands and ``ray down`` both run it) sees only that host's processes, never the
 other Ray clusters on this machine; ``/tmp/ray`` and the local provider's state files are
-per host. The filesystem is otherwise shared (the repo, the Python venv, the model cache).
-Root logs in with a key generated per run; ``sshd`` sets ``HOME`` to a per-host directory, so
-``~`` (``~/kvmesh``, ``~/ray_bootstrap_key.pem``) is per host too.
+per host, and so is ``/root`` (a per-host directory mounted there: ``~/kvmesh``,
+``~/ray_bootstrap_key.pem`` are the host's own; ``binds`` can mount paths such as a model cache
+into it). The filesystem is otherwise shared (the repo checkout, the Python venv). Root logs in
+with a key generated per run.
 
-On exit (also on error or Ctrl-C) the context kills each host's ``unshare`` by PID (its child, the
-host's PID 1, dies with it and the kernel kills every process in that PID namespace), deletes
-the namespaces and links and removes the run directory. Needs root and ``openssh-server``
+On exit (also on error or Ctrl-C) the context SIGKILLs each host's ``unshare`` by PID (its child,
+the host's PID 1, dies with it and the kernel kills every process in that PID namespace), deletes
+the namespaces and links and removes the run directory (never while something is mounted below
+it in this namespace). Needs root and ``openssh-server``
 (``ensure_sshd`` installs it with apt-get once).
 """
 
@@ -44,7 +46,7 @@ class Host:
     ip: str
     netns: str
     rate_mbit: float
-    home: Path  # ~ of root on this host
+    home: Path  # this machine's path of the host's /root (its ~)
     tmp: Path  # mounted on /tmp inside the host
 
 
@@ -80,15 +82,25 @@ def ensure_sshd() -> None:
 
 
 def sshd_config(host: Host, run_dir: Path, host_key: Path, authorized: Path, extra_env: dict[str, str]) -> str:
-    """The host's sshd_config: root by key only, on the host's address, ``HOME`` per host."""
-    env = " ".join(f'{k}="{v}"' for k, v in {"HOME": str(host.home), **extra_env}.items())
+    """The host's sshd_config: root by key only, on the host's address, ``extra_env`` set."""
+    env = " ".join(f'{k}="{v}"' for k, v in extra_env.items())
     return "\n".join([
         f"ListenAddress {host.ip}", "Port 22", f"HostKey {host_key}", f"AuthorizedKeysFile {authorized}",
         "PermitRootLogin prohibit-password", "PubkeyAuthentication yes", "PasswordAuthentication no",
         "KbdInteractiveAuthentication no", "UsePAM no", "StrictModes no", "PrintMotd no", "UseDNS no",
         f"PidFile {run_dir}/sshd-{host.name}.pid", "MaxStartups 100:30:200", "MaxSessions 100",
-        "Subsystem sftp internal-sftp", f"SetEnv {env}", "",
+        "Subsystem sftp internal-sftp", *([f"SetEnv {env}"] if env else []), "",
     ])
+
+
+def host_init(host: Host, sshd_conf: Path, binds: dict[str, str]) -> str:
+    """The shell line that becomes the host's PID 1: private /tmp, ``binds`` (source path ->
+    path under the host's home) mounted into its home, the home mounted on /root, then sshd."""
+    steps = [f"mount --bind {host.tmp} /tmp"]
+    for src, rel in binds.items():
+        steps.append(f"mkdir -p {host.home / rel} && mount --bind {src} {host.home / rel}")
+    steps += [f"mount --rbind {host.home} /root", f"exec {SSHD} -D -e -f {sshd_conf}"]
+    return " && ".join(steps)
 
 
 def _wait_port(ip: str, port: int, timeout_s: float, proc: subprocess.Popen) -> None:
@@ -103,18 +115,18 @@ def _wait_port(ip: str, port: int, timeout_s: float, proc: subprocess.Popen) -> 
 
 
 def _stop_hosts(lab: HostLab) -> None:
+    # unshare --fork ignores SIGTERM while it waits for its child: SIGKILL it, and --kill-child
+    # (PR_SET_PDEATHSIG) kills the host's PID 1, whose death kills the whole PID namespace
     for p in lab.procs.values():
         if p.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGTERM)  # --kill-child: the host's PID 1 gets SIGKILL
-    for p in lab.procs.values():
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(5)
+    for p in lab.procs.values():
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(10)
+    deadline = time.monotonic() + 10
+    while leftover_pids(lab) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def _pid_ns(pid: int) -> str | None:
@@ -139,8 +151,10 @@ def leftover_pids(lab: HostLab) -> list[int]:
 
 @contextlib.contextmanager
 def ssh_hosts(links: Sequence[LinkSpec], prefix: str = "kvm", env: dict[str, str] | None = None,
-              boot_timeout_s: float = 30) -> Iterator[HostLab]:
-    """Build the hosts and start their sshd; ``env`` is set in every SSH session on them."""
+              binds: dict[str, str] | None = None, boot_timeout_s: float = 30) -> Iterator[HostLab]:
+    """Build the hosts and start their sshd; ``env`` is set in every SSH session on them;
+    ``binds`` maps paths of this machine to paths under every host's home (e.g. a model cache
+    the hosts come provisioned with)."""
     ensure_sshd()
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation directory
     network = build_network(links, prefix=prefix)
@@ -163,7 +177,7 @@ def ssh_hosts(links: Sequence[LinkSpec], prefix: str = "kvm", env: dict[str, str
             (host.home / ".bashrc").write_text("")  # Ray's commands `source ~/.bashrc` first
             conf = run_dir / f"sshd-{spec.name}.conf"
             conf.write_text(sshd_config(host, run_dir, host_key, authorized, env or {}))
-            inner = f"mount --bind {host.tmp} /tmp && exec {SSHD} -D -e -f {conf}"
+            inner = host_init(host, conf, binds or {})
             log = open(run_dir / f"sshd-{spec.name}.log", "wb")
             lab.procs[spec.name] = subprocess.Popen(
                 ["ip", "netns", "exec", node.netns, "unshare", "--pid", "--mount", "--fork", "--kill-child",
@@ -179,5 +193,13 @@ def ssh_hosts(links: Sequence[LinkSpec], prefix: str = "kvm", env: dict[str, str
     finally:
         _stop_hosts(lab)
         remove_network(network)
+        # the binds live in the hosts' private mount namespaces only; never delete through one
+        mounted = [m for m in _mount_points() if m == str(run_dir) or m.startswith(f"{run_dir}/")]
+        if mounted:
+            raise RuntimeError(f"{mounted} still mounted in this namespace; not removing {run_dir}")
         if not os.environ.get("KVMESH_NETLAB_KEEP_LOGS"):
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _mount_points() -> list[str]:
+    return [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]

@@ -1,0 +1,508 @@
+"""The whole cluster against what users would deploy instead (issue 11): one run, same workers.
+
+    sudo nice -n 5 .venv/bin/python bench/cluster.py            # default size, ~20 min on 2 cores
+    sudo nice -n 5 .venv/bin/python bench/cluster.py --quick    # smoke run, ~5 min
+
+1. Hosts: ``bench.sshhosts`` makes one SSH host per Ray node (network namespace + own PID/mount
+   namespace, sshd, per-run keys): a head behind 1 Gbit/s and ``--workers`` worker hosts, most
+   behind 1 Gbit/s, the last behind ``--slow-mbit`` (100 Mbit/s), tbf-shaped veths
+   (``bench.netlab``). 2. ``ray up`` of this run's sibling of ``cluster/ray-up-local.yaml``
+   (``bench.rayup``: which fields change and why is in the JSON); one CPU per worker host, none
+   on the head, so every engine runs on its own host with one thread. 3. For each configuration
+   (``pow2``, ``affinity``, ``kvmesh``, ``kvmesh+approx``): ``serve deploy`` of its shipped Serve
+   config with this run's edits (``bench.cluster_setup``) from the head (``ray exec``), wait until
+   it serves, warm up, then drive (a) the shared-prefix workload with inference-perf
+   (``bench.ipperf``, a separate process per offered rate: Poisson arrivals, its
+   ``shared_prefix`` generator, a fresh seed per rate so no prompt repeats), (b) multi-turn chat,
+   the multi-tenant mix (with the template tenant) and the Mooncake-format trace with kvmesh's
+   own generator (``bench.loadgen``); ``/metrics`` and ``/kvmesh/workers`` are read after each
+   step; then ``serve shutdown``. 4. ``ray down``; every host, namespace and link is removed.
+``oracle`` is one infinite cache over the same prompts in the same order (``bench.workloads``),
+the prompts tokenized as the server does. Each worker's ``kv_cache_bytes`` is sized so that the
+shared-prefix workload's distinct prefixes need ``--pool-ratio`` (3) x one worker's pool.
+
+Writes ``bench/results/cluster.json`` (``summary``: ``hit_tokens_vs_oracle``,
+``throughput_at_equal_p99_ttft``, ``ttft_p90_affinity_over_kvmesh``; per configuration and rate:
+TTFT p50/p90/p99, TPOT, request and token throughput, goodput at ``--ttft-slo``, hit tokens vs
+the oracle, kvmesh's route decisions and bytes pulled) and ``bench/results/cluster.png``.
+Needs root (namespaces, tc, sshd); installs openssh-server and inference-perf's venv once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import re
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import cluster_report as report  # noqa: E402
+from bench import cluster_setup as setup  # noqa: E402
+from bench import ipperf, rayup, workloads  # noqa: E402
+from bench.loadgen import Result, send_one, summarize  # noqa: E402
+from bench.netlab import LinkSpec, leftovers  # noqa: E402
+from bench.sshhosts import leftover_pids, ssh_hosts  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODEL = "SmolLM2-135M-Instruct"
+PORT = 8000
+HOST_ENV = {"PYTHONPATH": "/root/kvmesh", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "RAY_object_manager_pull_timeout_ms": "120000"}
+TEXTS = ["The weather is nice today.", "My brother lives near the river.", "Please close the door.",
+         "We go to the market on Saturday.", "The children play in the park.", "I would like a coffee.",
+         "She reads a book every evening.", "The museum opens at nine.", "Our neighbours have a dog.",
+         "He forgot his keys at the office.", "The soup needs more salt.", "They travelled to Spain."]
+TEMPLATE = ("Translate the text below into French.\n\nText: {text}\n\nGuidelines:\n"
+            "1. Keep the meaning of the original text exactly; do not add or remove information.\n"
+            "2. Keep names of people and places unchanged.\n"
+            "3. Use a neutral, polite register suitable for a general audience.\n"
+            "4. Keep numbers, dates and times in their original form.\n"
+            "5. Answer with the French translation only, on a single line.\n\nFrench translation:")
+
+
+def model_dir() -> Path:
+    from engine.model_loader import resolve_model_dir
+
+    return Path(resolve_model_dir("default")[1])
+
+
+def load_avg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+class Cluster:
+    """The running Ray cluster of this bench: ``ray up``/``exec``/``down`` and HTTP to the head."""
+
+    def __init__(self, lab, out: Path, log):
+        self.lab, self.out, self.log = lab, out, log
+        self.head = lab.hosts["head"]
+        self.base_url = f"http://{self.head.ip}:{PORT}"
+        self.config_path: Path | None = None
+
+    def up(self, workers: list[str], boot_timeout_s: float) -> dict:
+        cfg = rayup.sibling_config(rayup.load_shipped(), cluster_name=f"kvmesh-bench-{self.lab.network.tag}",
+                                   head_ip=self.head.ip, worker_ips=[self.lab.hosts[w].ip for w in workers],
+                                   key=self.lab.key, venv=rayup.venv_dir())
+        self.config_path = rayup.write_config(cfg, self.lab.run_dir / "ray-up.yaml")
+        t0 = time.monotonic()
+        rayup.ray_up(self.config_path, self.out / "ray.log")
+        alive = self.wait_nodes(len(workers) + 1, boot_timeout_s)
+        if alive < len(workers) + 1:  # a worker whose start failed: ray up again, as a user would
+            self.log(f"only {alive} of {len(workers) + 1} nodes joined; ray up --restart-only")
+            rayup.ray_up(self.config_path, self.out / "ray.log", restart_only=True)
+            alive = self.wait_nodes(len(workers) + 1, boot_timeout_s)
+        if alive < len(workers) + 1:
+            raise RuntimeError(f"only {alive} of {len(workers) + 1} Ray nodes joined; see {self.out / 'ray.log'}")
+        return {"config": cfg, "up_s": round(time.monotonic() - t0, 1), "nodes": alive}
+
+    def exec(self, command: str, timeout_s: float = 300, check: bool = True) -> str:
+        return rayup.ray_exec(self.config_path, command, self.out / "ray.log", timeout_s=timeout_s, check=check)
+
+    def alive_nodes(self) -> int:
+        out = self.exec("~/kvmesh/.venv/bin/python -c 'import ray; ray.init(address=\"auto\", log_to_driver=False); "
+                        "print(\"ALIVE\", sum(n[\"Alive\"] for n in ray.nodes()))'", check=False, timeout_s=120)
+        m = re.search(r"ALIVE (\d+)", out)
+        return int(m.group(1)) if m else 0
+
+    def wait_nodes(self, n: int, timeout_s: float) -> int:
+        deadline, alive = time.monotonic() + timeout_s, 0
+        while time.monotonic() < deadline:
+            alive = self.alive_nodes()
+            if alive >= n:
+                break
+            time.sleep(5)
+        return alive
+
+    def deploy(self, name: str, serve_cfg: dict, tenants: dict, timeout_s: float) -> float:
+        """``serve deploy`` from the head; returns seconds until every replica/worker serves."""
+        slug = name.replace("+", "-")
+        setup.dump_yaml(tenants, self.head.home / "bench" / f"tenants-{slug}.yaml")
+        setup.dump_yaml(serve_cfg, self.head.home / "bench" / f"serve-{slug}.yaml")
+        t0 = time.monotonic()
+        self.exec(f"cd ~/kvmesh && .venv/bin/serve deploy /root/bench/serve-{slug}.yaml")
+        app = serve_cfg["applications"][0]["name"]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status = self.exec("cd ~/kvmesh && .venv/bin/serve status", check=False, timeout_s=120)
+            if re.search(rf"{re.escape(app)}:\s*\n\s*status: RUNNING", status) and self.health():
+                return time.monotonic() - t0
+            if "DEPLOY_FAILED" in status:
+                raise RuntimeError(f"{name} failed to deploy:\n{status[-3000:]}")
+            time.sleep(5)
+        raise TimeoutError(f"{name} did not become ready in {timeout_s:.0f}s")
+
+    def shutdown_serve(self) -> None:
+        self.exec("cd ~/kvmesh && .venv/bin/serve shutdown -y", check=False)
+
+    def get(self, path: str, key: str | None = None, timeout_s: float = 20) -> tuple[int, str]:
+        req = urllib.request.Request(self.base_url + path, headers={"Authorization": f"Bearer {key}"} if key else {})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return r.status, r.read().decode()
+        except Exception as e:  # noqa: BLE001 - reported as a failed probe
+            return getattr(e, "code", 0) or 0, str(e)
+
+    def health(self) -> bool:
+        return self.get("/health")[0] == 200
+
+    def down(self) -> int:
+        return rayup.ray_down(self.config_path, self.out / "ray.log") if self.config_path else 0
+
+
+# -- metrics ---------------------------------------------------------------------------------
+_PROM = re.compile(r"^(kvmesh_[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """kvmesh's series (``name{labels}`` -> value), summed over ingress replicas' duplicates."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _PROM.match(line.strip())
+        if m and not m.group(1).endswith(("_bucket", "_created")):
+            key = m.group(1) + (m.group(2) or "")
+            try:
+                out[key] = out.get(key, 0.0) + float(m.group(3))
+            except ValueError:
+                continue
+    return out
+
+
+def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Counter growth between two scrapes (gauges show their latest value under ``now:``)."""
+    d = {}
+    for k, v in after.items():
+        delta = v - before.get(k, 0.0)
+        if abs(delta) > 1e-12:
+            d[k] = round(delta, 6)
+    return d
+
+
+def decisions(m: dict[str, float]) -> dict:
+    """Route decisions and pulled bytes/tokens from a metrics delta."""
+    routes = {re.search(r'route="([^"]+)"', k).group(1): v for k, v in m.items()
+              if k.startswith("kvmesh_routes_total") and 'route="' in k}
+    kinds = {re.search(r'kind="([^"]+)"', k).group(1): v for k, v in m.items()
+             if k.startswith("kvmesh_router_decisions") and 'kind="' in k}
+    return {"routes": routes, "router_decisions": kinds,
+            "bytes_pulled": sum(v for k, v in m.items() if k.startswith("kvmesh_router_bytes_pulled")),
+            "pulled_tokens": sum(v for k, v in m.items() if k.startswith("kvmesh_pulled_tokens_total"))}
+
+
+# -- workloads -------------------------------------------------------------------------------
+def tokenize(tok, text: str) -> tuple[int, ...]:
+    return tuple(tok.encode(text, add_special_tokens=True))
+
+
+def template_items(n: int, rate: float, seed: int, tok) -> tuple[list[workloads.WorkItem], list[dict]]:
+    """The template tenant's requests: instances of one template (parameter ``text``)."""
+    rng = random.Random(seed)
+    times = workloads.poisson_arrivals(n, rate, rng)
+    items, extras = [], []
+    for i, t in enumerate(times):
+        text = TEXTS[i % len(TEXTS)]
+        prompt = TEMPLATE.replace("{text}", text)
+        items.append(workloads.WorkItem(tokenize(tok, prompt), 16, t, setup.TEMPLATE_TENANT, setup.TEMPLATE_TENANT,
+                                        group="tmpl"))
+        extras.append({"prompt": prompt, "kvmesh": {"template": setup.TEMPLATE_ID, "params": {"text": text}}})
+    return items, extras
+
+
+async def drive(base_url: str, items: list[workloads.WorkItem], extras: list[dict | None], timeout_s: float = 180,
+                progress=None) -> list[Result]:
+    """Open loop: each item at its ``at_s``, its own request extras (prompt text, kvmesh fields)."""
+    import httpx
+
+    keys = {i.tenant: f"sk-{i.tenant}" for i in items}
+    out: list[Result] = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(timeout_s),
+                                 limits=httpx.Limits(max_connections=256)) as client:
+        t0 = time.perf_counter()
+
+        async def one(i: int) -> None:
+            delay = items[i].at_s - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            r = await send_one(client, i, items[i], keys[items[i].tenant], MODEL, t0, timeout_s, extras[i])
+            out.append(r)
+            if progress:
+                progress()
+
+        await asyncio.gather(*(one(i) for i in range(len(items))))
+    return sorted(out, key=lambda r: r.index)
+
+
+def other_workloads(args, tok) -> dict[str, tuple[list[workloads.WorkItem], list[dict | None]]]:
+    """multi_turn, multi_tenant (+ the template tenant) and the Mooncake trace, as work items."""
+    q = args.quick
+    mt = workloads.multi_turn(sessions=4 if q else 8, turns=3, system_len=256, user_len=32, output_len=16,
+                              rate_per_s=0.5, think_s=4.0, seed=1, tenant=setup.BENCH_TENANT)
+    mix = workloads.multi_tenant(requests=24 if q else 48, rate_per_s=args.other_rate, output_len=16, seed=2)
+    titems, textras = template_items(8 if q else 16, args.other_rate / 3, 3, tok)
+    merged = sorted([(w, None) for w in mix] + list(zip(titems, textras)), key=lambda p: p[0].at_s)
+    trace = workloads.read_mooncake(Path(__file__).resolve().parent / "traces" / "mooncake_small.jsonl",
+                                    workloads.TraceScale(tokens_per_hash=16, time_scale=args.trace_time_scale,
+                                                         max_requests=24 if q else 48, max_input_tokens=1024,
+                                                         max_output_tokens=16), tenant=setup.BENCH_TENANT)
+    return {"multi_turn": (mt, [None] * len(mt)), "multi_tenant": ([w for w, _ in merged], [e for _, e in merged]),
+            "mooncake_trace": (trace, [None] * len(trace))}
+
+
+def hit_ratio(results: list[Result], oracle: list[int]) -> dict:
+    got = sum(r.cached_tokens for r in results if r.ok)
+    best = sum(h for r, h in zip(results, oracle) if r.ok)
+    return {"cached_tokens": got, "oracle_cached_tokens": best, "vs_oracle": got / best if best else None}
+
+
+# -- main ------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run (~5 min): 2 rates, short stages, small workloads")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--slow-mbit", type=float, default=100.0)
+    ap.add_argument("--fast-mbit", type=float, default=1000.0)
+    ap.add_argument("--configs", default=",".join(setup.CONFIGS))
+    ap.add_argument("--rates", default=None, help="offered shared-prefix request rates (req/s), comma separated")
+    ap.add_argument("--stage-s", type=int, default=None, help="seconds per rate")
+    ap.add_argument("--groups", type=int, default=None)
+    ap.add_argument("--users", type=int, default=None)
+    ap.add_argument("--system-len", type=int, default=512)
+    ap.add_argument("--question-len", type=int, default=40)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--pool-ratio", type=float, default=3.0, help="distinct prefixes / one worker's KV pool")
+    ap.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO (s) for goodput")
+    ap.add_argument("--other-rate", type=float, default=0.8, help="req/s of the multi-tenant mix")
+    ap.add_argument("--trace-time-scale", type=float, default=0.5)
+    ap.add_argument("--approx-all", action="store_true",
+                    help="run every workload on kvmesh+approx (default: only the multi-tenant mix, the only one "
+                         "with a template tenant; elsewhere kvmesh+approx is kvmesh)")
+    ap.add_argument("--tag-prefix", default="kvc", help="prefix of the namespaces/links this run creates")
+    ap.add_argument("--out", default=str(RESULTS / "cluster.json"))
+    a = ap.parse_args(argv)
+    a.rates = [float(x) for x in (a.rates or ("0.5,1.5" if a.quick else "0.5,1.0,1.5,2.5")).split(",")]
+    a.stage_s = a.stage_s or (20 if a.quick else 40)
+    a.groups = a.groups or (8 if a.quick else 12)
+    a.users = a.users or max(4, int(max(a.rates) * a.stage_s / a.groups) + 1)
+    a.configs = [c for c in a.configs.split(",") if c]
+    return a
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        raise SystemExit("bench/cluster.py needs root (network namespaces, tc, sshd)")
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    out_json = Path(args.out)
+    work = out_json.parent / "cluster_run"
+    work.mkdir(parents=True, exist_ok=True)
+    exe = ipperf.ensure_venv()
+    mdir = model_dir()
+    tok = AutoTokenizer.from_pretrained(mdir)
+    shape = setup.model_shape(mdir)
+    spec_base = ipperf.SharedPrefixSpec(args.groups, args.users, args.system_len, args.question_len, args.output_len)
+    kv_bytes = setup.kv_cache_bytes(spec_base.distinct_prefix_tokens, args.pool_ratio, shape)
+    others = other_workloads(args, tok)
+    grants = workloads.multi_tenant_tenants()
+    workers = [f"w{i}" for i in range(1, args.workers + 1)]
+    links = [LinkSpec("head", args.fast_mbit)] + [LinkSpec(w, args.slow_mbit if w == workers[-1] else args.fast_mbit)
+                                                  for w in workers]
+    steps = sum(len(args.rates) + len(others) + 1 for c in args.configs if c != "kvmesh+approx" or args.approx_all)
+    steps += 2 if "kvmesh+approx" in args.configs and not args.approx_all else 0
+    bar = tqdm(total=steps, desc="cluster bench", unit="step", dynamic_ncols=True)
+    log = lambda msg: tqdm.write(f"[{time.strftime('%H:%M:%S')}] {msg}")  # noqa: E731
+    doc: dict = {"bench": "cluster", "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                                 "python": platform.python_version()},
+                 "load_avg": {"start": load_avg()}, "args": {k: v for k, v in vars(args).items()},
+                 "sizing": {"kv_cache_bytes": kv_bytes, "kv_bytes_per_token": shape.kv_bytes_per_token,
+                            "distinct_prefix_tokens": spec_base.distinct_prefix_tokens,
+                            "pool_ratio": setup.pool_ratio(spec_base.distinct_prefix_tokens, kv_bytes, shape),
+                            "pool_tokens": kv_bytes // shape.kv_bytes_per_token},
+                 "ray_up_changes": list(rayup.CHANGES), "configs": {}, "steps": []}
+    t_start = time.monotonic()
+    lab_ref = {}
+    try:
+        with ssh_hosts(links, prefix=args.tag_prefix, env=HOST_ENV,
+                       binds={str(ipperf.CACHE): ".cache/kvmesh", str(Path.home() / ".pyenv"): ".pyenv"}) as lab:
+            lab_ref["lab"] = lab
+            cl = Cluster(lab, work, log)
+            doc["cluster"] = {"hosts": {n: {"ip": h.ip, "rate_mbit": h.rate_mbit} for n, h in lab.hosts.items()},
+                              "endpoint": cl.base_url}
+            try:
+                log(f"ray up: head {cl.head.ip}, workers " + ", ".join(
+                    f"{w}={lab.hosts[w].ip}@{lab.hosts[w].rate_mbit:g}Mbit" for w in workers))
+                up = cl.up(workers, boot_timeout_s=300)
+                doc["cluster"].update(ray_up_s=up["up_s"], nodes=up["nodes"], ray_up_config=up["config"])
+                log(f"cluster up in {up['up_s']:.0f}s ({up['nodes']} nodes)")
+                for name in args.configs:
+                    doc["configs"][name] = run_config(cl, name, args, exe, mdir, tok, kv_bytes, others, grants, bar,
+                                                      log, doc)
+                    write(doc, out_json)
+            finally:
+                doc["cluster"]["ray_down_rc"] = cl.down()
+    finally:
+        bar.close()
+        lab = lab_ref.get("lab")
+        doc["leftovers"] = {"namespaces_and_links": leftovers(args.tag_prefix),
+                            "host_processes": leftover_pids(lab) if lab else []}
+        doc["load_avg"]["end"] = load_avg()
+        doc["wall_s"] = round(time.monotonic() - t_start, 1)
+        finish(doc, out_json)
+    return doc
+
+
+def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, grants, bar, log, doc) -> dict:
+    res: dict = {"shared_prefix": [], "load_avg": {"start": load_avg()}}
+    approx_only = name == "kvmesh+approx" and not args.approx_all
+    tenants = setup.tenants_file(name, grants, TEMPLATE)
+    serve_cfg = setup.serve_config(name, host=cl.head.ip, port=PORT, workers=args.workers, kv_bytes=kv_bytes,
+                                   tenants_path=f"/root/bench/tenants-{name.replace('+', '-')}.yaml")
+    res["serve_config"] = serve_cfg
+    log(f"{name}: serve deploy")
+    res["deploy_s"] = round(cl.deploy(name, serve_cfg, tenants, timeout_s=900), 1)
+    log(f"{name}: ready in {res['deploy_s']:.0f}s")
+    try:
+        warm = [workloads.WorkItem(workloads.Vocab().tokens(random.Random(100 + i), 96), 4, 0.0, setup.BENCH_TENANT,
+                                   setup.BENCH_TENANT) for i in range(2 * args.workers)]
+        asyncio.run(drive(cl.base_url, warm, [None] * len(warm)))
+        bar.update(1)
+        m0 = parse_prometheus(cl.get("/metrics")[1])
+        if not approx_only:
+            for k, rate in enumerate(args.rates):
+                res["shared_prefix"].append(shared_prefix_rate(cl, name, args, exe, mdir, tok, k, rate, log))
+                m1 = parse_prometheus(cl.get("/metrics")[1])
+                res["shared_prefix"][-1]["kvmesh_metrics"] = decisions(metrics_delta(m0, m1))
+                m0 = m1
+                bar.update(1)
+        res["workloads"] = {}
+        for wname, (items, extras) in others.items():
+            if approx_only and wname != "multi_tenant":
+                continue
+            log(f"{name}: {wname} ({len(items)} requests)")
+            t0 = time.monotonic()
+            results = asyncio.run(drive(cl.base_url, items, extras))
+            wall = time.monotonic() - t0
+            oracle = workloads.oracle_hits(items)
+            m1 = parse_prometheus(cl.get("/metrics")[1])
+            s = summarize(results, args.ttft_slo, wall_s=wall)
+            s.update(hit=hit_ratio(results, oracle), kvmesh_metrics=decisions(metrics_delta(m0, m1)),
+                     per_tenant={t: hit_ratio([r for r in results if r.tenant == t],
+                                              [h for r, h in zip(results, oracle) if r.tenant == t])
+                                 for t in sorted({r.tenant for r in results})},
+                     approx_cached_tokens=None, errors_sample=[r.error for r in results if r.error][:3])
+            m0 = m1
+            res["workloads"][wname] = s
+            log(f"{name}: {wname} hit/oracle {s['hit']['vs_oracle']}, TTFT p90 {s['ttft_s']['p90']}")
+            bar.update(1)
+        res["workers_view"] = cl.get("/kvmesh/workers", f"sk-{setup.BENCH_TENANT}")[1][:20000]
+        res["metrics_text"] = cl.get("/metrics")[1][:20000]
+    finally:
+        cl.shutdown_serve()
+        res["load_avg"]["end"] = load_avg()
+        if approx_only:
+            bar.update(1)
+    return res
+
+
+def shared_prefix_rate(cl: Cluster, name: str, args, exe, mdir, tok, k: int, rate: float, log) -> dict:
+    """One offered rate of the shared-prefix workload through inference-perf."""
+    spec = ipperf.SharedPrefixSpec(args.groups, args.users, args.system_len, args.question_len, args.output_len,
+                                   seed=1000 + k)
+    d = cl.out / f"{name.replace('+', '-')}-rate{k}"
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = ipperf.config(spec, [rate], args.stage_s, cl.base_url, f"sk-{setup.BENCH_TENANT}", MODEL, str(mdir),
+                        d / "reports")
+    setup.dump_yaml(cfg, d / "inference-perf.yaml")
+    log(f"{name}: shared prefix at {rate:g} req/s for {args.stage_s}s (inference-perf)")
+    t0 = time.monotonic()
+    rc = ipperf.run(exe, d / "inference-perf.yaml", d / "inference-perf.log", timeout_s=args.stage_s * 6 + 300)
+    (results,), (prompts,) = ipperf.results(d / "reports", 1)
+    items = [workloads.WorkItem(tokenize(tok, p) or (0,), 1, 0.0, setup.BENCH_TENANT, setup.BENCH_TENANT)
+             for p in prompts]
+    oracle = workloads.oracle_hits(items)
+    wall = (max((r.sent_s + (r.latency_s or 0) for r in results), default=0.0)) if results else 0.0
+    s = summarize(results, args.ttft_slo, wall_s=max(wall, args.stage_s) if results else None)
+    s.update(rate=rate, inference_perf_rc=rc, run_s=round(time.monotonic() - t0, 1), hit=hit_ratio(results, oracle),
+             load_avg=load_avg(), errors_sample=[r.error for r in results if r.error][:3])
+    log(f"{name} @ {rate:g}/s: {s['ok']}/{s['requests']} ok, {s['request_throughput'] or 0:.2f} req/s, TTFT p50/p90/p99 "
+        f"{_f(s['ttft_s']['p50'])}/{_f(s['ttft_s']['p90'])}/{_f(s['ttft_s']['p99'])} s, hit/oracle {_f(s['hit']['vs_oracle'])}")
+    return s
+
+
+def _f(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def curves(doc: dict) -> dict[str, list[report.Point]]:
+    out = {}
+    for name, res in doc["configs"].items():
+        pts = [report.Point(s["rate"], s["request_throughput"] or 0.0, s["ttft_s"]["p50"] or 0.0,
+                            s["ttft_s"]["p90"] or 0.0, s["ttft_s"]["p99"] or 0.0, s["errors"])
+               for s in res.get("shared_prefix", []) if s.get("ok")]
+        if pts:
+            out[name] = pts
+    return out
+
+
+def finish(doc: dict, out_json: Path) -> None:
+    cv = curves(doc)
+    hits = {n: sum(s["hit"]["cached_tokens"] for s in r.get("shared_prefix", [])) for n, r in doc["configs"].items()
+            if r.get("shared_prefix")}
+    oracle = {n: sum(s["hit"]["oracle_cached_tokens"] for s in r.get("shared_prefix", []))
+              for n, r in doc["configs"].items() if r.get("shared_prefix")}
+    ref = max(oracle.values(), default=0)
+    hit_by_cfg = {n: (hits[n] / oracle[n] if oracle[n] else None) for n in hits}
+    s = report.summary(cv, {n: hits[n] for n in hits}, ref) if cv else {"hit_tokens_vs_oracle": {}}
+    s["hit_tokens_vs_oracle"] = {**hit_by_cfg, "oracle": 1.0}  # each against the oracle of its own prompts
+    doc["summary"] = s
+    if cv:
+        doc["targets"] = report.targets(s)
+    ratios = {"shared_prefix": dict(hit_by_cfg)}
+    for n, r in doc["configs"].items():
+        for w, ws in (r.get("workloads") or {}).items():
+            ratios.setdefault(w, {})[n] = ws["hit"]["vs_oracle"]
+    doc["hit_ratios"] = ratios
+    write(doc, out_json)
+    if cv:
+        report.plot(cv, ratios, out_json.with_suffix(".png"))
+    print_table(doc)
+
+
+def write(doc: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, default=str))
+
+
+def print_table(doc: dict) -> None:
+    print(f"\nmachine: {doc['machine']}  load avg start {doc['load_avg'].get('start')} end {doc['load_avg'].get('end')}")
+    print(f"{'config':14s} {'rate':>5s} {'ok':>7s} {'req/s':>6s} {'tok/s':>6s} {'p50':>6s} {'p90':>6s} {'p99':>6s} "
+          f"{'tpot':>6s} {'good':>6s} {'hit/or':>6s}  routes")
+    for name, res in doc["configs"].items():
+        for s in res.get("shared_prefix", []):
+            t = s["ttft_s"]
+            print(f"{name:14s} {s['rate']:5.2f} {s['ok']:3d}/{s['requests']:<3d} {s['request_throughput'] or 0:6.2f} "
+                  f"{s['output_token_throughput'] or 0:6.1f} {_f(t['p50']):>6s} {_f(t['p90']):>6s} {_f(t['p99']):>6s} "
+                  f"{_f(s['tpot_s']['p50']):>6s} {s['goodput'] or 0:6.2f} {_f(s['hit']['vs_oracle']):>6s}  "
+                  f"{s.get('kvmesh_metrics', {}).get('routes', {})}")
+        for w, s in (res.get("workloads") or {}).items():
+            t = s["ttft_s"]
+            print(f"{name:14s} {w:>13s} {s['ok']:3d}/{s['requests']:<3d} p50/p90/p99 {_f(t['p50'])}/{_f(t['p90'])}/"
+                  f"{_f(t['p99'])} hit/oracle {_f(s['hit']['vs_oracle'])}")
+    print("summary:", json.dumps(doc.get("summary", {}).get("throughput_at_equal_p99_ttft")),
+          "hit vs oracle:", json.dumps(doc.get("summary", {}).get("hit_tokens_vs_oracle")),
+          "p90 affinity/kvmesh:", doc.get("summary", {}).get("ttft_p90_affinity_over_kvmesh"))
+    for k, v in (doc.get("targets") or {}).items():
+        print(f"  target {k}: {v['value']} (>= {v['target']}) {'met' if v['met'] else 'NOT met'}")
+    print("leftovers:", doc.get("leftovers"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""The pieces of bench/cluster.py that need neither root nor SSH: the generated ray-up and Serve
+configs, the KV sizing, the throughput-at-equal-p99 interpolation, the summary keys, the metrics
+and inference-perf report parsing."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench import cluster_report as report
+from bench import cluster_setup as setup
+from bench import ipperf, rayup
+
+SHAPE = setup.ModelShape(layers=30, kv_heads=3, head_dim=64)
+
+
+def test_sibling_ray_up_config_changes_only_what_the_run_needs():
+    shipped = rayup.load_shipped()
+    cfg = rayup.sibling_config(shipped, cluster_name="kvmesh-bench-x", head_ip="10.9.1.2",
+                               worker_ips=["10.9.2.2", "10.9.3.2"], key=Path("/k/id"), venv=Path("/v"))
+    assert cfg["provider"] == {**shipped["provider"], "head_ip": "10.9.1.2", "worker_ips": ["10.9.2.2", "10.9.3.2"]}
+    assert cfg["auth"] == {"ssh_user": "root", "ssh_private_key": "/k/id"} and cfg["max_workers"] == 2
+    assert cfg["file_mounts"] == shipped["file_mounts"] and cfg["rsync_exclude"] == shipped["rsync_exclude"]
+    head = " ".join(cfg["head_start_ray_commands"])
+    assert "--node-ip-address=10.9.1.2" in head and shipped["provider"]["head_ip"] not in head
+    assert "--num-cpus=0" in head and "RAY_enable_autoscaler_v2=0" in head
+    worker = cfg["worker_start_ray_commands"][-1]
+    assert "--num-cpus=1" in worker and "--address=$RAY_HEAD_IP:6379" in worker
+    assert all(f"--{k}={v}" in worker for k, v in rayup.FIXED_PORTS.items())
+    assert cfg["setup_commands"] == ["mkdir -p ~/kvmesh && ln -sfn /v ~/kvmesh/.venv"]
+    assert shipped["cluster_name"] != cfg["cluster_name"] and shipped == rayup.load_shipped()  # not mutated
+
+
+def test_shipped_ray_up_config_names_the_head_address_in_its_start_command():
+    shipped = rayup.load_shipped()
+    assert f"--node-ip-address={shipped['provider']['head_ip']}" in " ".join(shipped["head_start_ray_commands"])
+
+
+def test_kv_pool_sized_so_prefixes_need_the_ratio():
+    b = setup.kv_cache_bytes(12 * 512, 3.0, SHAPE)
+    assert SHAPE.kv_bytes_per_token == 46080
+    assert b == 128 * 16 * 46080 and setup.pool_ratio(12 * 512, b, SHAPE) == pytest.approx(3.0)
+    assert 3.0 <= setup.pool_ratio(1000, setup.kv_cache_bytes(1000, 3.0, SHAPE), SHAPE) < 3.2  # whole blocks
+    with pytest.raises(ValueError):
+        setup.kv_cache_bytes(0, 3.0, SHAPE)
+
+
+@pytest.mark.parametrize("name", setup.CONFIGS)
+def test_serve_configs_are_the_shipped_ones_with_the_users_edits(name):
+    from ray.serve.schema import ServeDeploySchema
+
+    cfg = setup.serve_config(name, host="10.9.1.2", port=8000, workers=4, kv_bytes=12345, tenants_path="/t.yaml")
+    ServeDeploySchema.model_validate(cfg)
+    shipped = yaml.safe_load(setup.SHIPPED_SERVE[name].read_text())
+    app, ship = cfg["applications"][0], shipped["applications"][0]
+    assert cfg["http_options"] == {"host": "10.9.1.2", "port": 8000}
+    assert app["import_path"] == ship["import_path"]
+    assert app["args"]["workers"] == 4 and app["args"]["kv_cache_bytes"] == 12345 and app["args"]["tenants"] == "/t.yaml"
+    assert app["args"]["worker_num_cpus"] == 1
+    if name.startswith("kvmesh"):
+        assert app["args"]["max_workers"] == 4
+    else:
+        assert [d["num_replicas"] for d in app["deployments"]] == [4]
+        assert ("request_router_config" in app["deployments"][0]) == (name == "affinity")
+    if name == "affinity":
+        assert app["deployments"][0]["request_router_config"]["request_router_class"].endswith(
+            "prefix_aware_router:PrefixCacheAffinityRouter")
+    with pytest.raises(ValueError):
+        setup.serve_config("roundrobin", host="h", port=1, workers=1, kv_bytes=1, tenants_path="/t")
+
+
+def test_tenants_file_parses_and_only_approx_serves_the_template_approximately():
+    from bench.workloads import multi_tenant_tenants
+    from policies.tenancy import Tenants
+
+    for name in setup.CONFIGS:
+        data = setup.tenants_file(name, multi_tenant_tenants(), "Say {x} now")
+        t = Tenants.from_dict(data)
+        tmpl = t.authenticate(f"sk-{setup.TEMPLATE_TENANT}")
+        assert tmpl.reuse == ("approximate" if name == "kvmesh+approx" else "exact")
+        assert dict(tmpl.templates) == {setup.TEMPLATE_ID: "Say {x} now"}
+        assert t.authenticate("sk-bench").name == "bench" and t.authenticate("sk-globex").name == "globex"
+
+
+def P(rate, thr, p99, p90=None, errors=0):
+    return report.Point(rate, thr, p99 / 2, p90 if p90 is not None else p99 * 0.8, p99, errors)
+
+
+def test_throughput_at_latency_interpolates_on_the_curve():
+    curve = [P(1, 1.0, 0.5), P(2, 2.0, 1.5), P(3, 2.4, 5.5)]
+    assert report.throughput_at(curve, 1.0).throughput == pytest.approx(1.5)
+    assert report.throughput_at(curve, 3.5).throughput == pytest.approx(2.2)
+    top = report.throughput_at(curve, 10.0)
+    assert top.throughput == 2.4 and top.lower_bound
+    assert report.throughput_at(curve, 0.1).throughput is None
+
+
+def test_equal_p99_ratio_is_taken_at_the_baselines_saturated_latency():
+    kv = [P(1, 1.0, 0.3), P(2, 2.0, 0.6), P(3, 3.0, 2.0)]
+    base = [P(1, 1.0, 0.8), P(2, 1.5, 1.3)]  # saturates at 1.5 req/s with p99 1.3 s
+    r = report.equal_p99_ratio(kv, base)
+    assert r["p99_ttft_s"] == 1.3 and r["baseline_throughput"] == 1.5
+    assert r["throughput"] == pytest.approx(2.0 + (1.3 - 0.6) / 1.4) and not r["lower_bound"]
+    assert r["ratio"] == pytest.approx(r["throughput"] / 1.5)
+
+
+def test_summary_has_the_contract_keys_and_p90_at_the_highest_common_sustained_rate():
+    curves = {"kvmesh": [P(1, 1.0, 0.3, 0.2), P(2, 2.0, 0.6, 0.4), P(3, 2.9, 0.9, 0.5)],
+              "affinity": [P(1, 1.0, 1.0, 0.8), P(2, 1.9, 3.0, 2.0), P(3, 2.0, 9.0, 6.0)],
+              "pow2": [P(1, 1.0, 2.0, 1.6), P(2, 1.8, 6.0, 4.0), P(3, 1.9, 20.0, 12.0)]}
+    s = report.summary(curves, {"kvmesh": 950, "affinity": 600, "pow2": 300}, 1000)
+    assert s["hit_tokens_vs_oracle"] == {"kvmesh": 0.95, "affinity": 0.6, "pow2": 0.3, "oracle": 1.0}
+    assert set(s["throughput_at_equal_p99_ttft"]) == {"kvmesh_vs_affinity", "kvmesh_vs_pow2"}
+    assert s["ttft_p90_rate"] == {"rate": 2, "all_sustained": True}  # at 3 req/s affinity/pow2 fall behind
+    assert s["ttft_p90_affinity_over_kvmesh"] == pytest.approx(2.0 / 0.4)
+    t = report.targets(s)
+    assert t["hit_tokens_vs_oracle"]["met"] and t["ttft_p90_affinity_over_kvmesh"]["met"]
+    assert set(t) == {"hit_tokens_vs_oracle", "kvmesh_vs_affinity", "kvmesh_vs_pow2", "ttft_p90_affinity_over_kvmesh"}
+
+
+def test_prometheus_parsing_and_decision_deltas():
+    from bench.cluster import decisions, metrics_delta, parse_prometheus
+
+    a = parse_prometheus('kvmesh_routes_total{route="local",tenant="bench"} 3\n# HELP x\n'
+                         'kvmesh_router_bytes_pulled 100\nkvmesh_ttft_seconds_bucket{le="1"} 4\n')
+    b = parse_prometheus('kvmesh_routes_total{route="local",tenant="bench"} 5\n'
+                         'kvmesh_routes_total{route="pulled",tenant="bench"} 2\n'
+                         'kvmesh_router_bytes_pulled 4196\nkvmesh_router_decisions{kind="pull"} 2\n')
+    d = decisions(metrics_delta(a, b))
+    assert d["routes"] == {"local": 2, "pulled": 2} and d["bytes_pulled"] == 4096
+    assert d["router_decisions"] == {"pull": 2}
+
+
+def test_inference_perf_reports_become_results_with_usage_and_prompts(tmp_path):
+    entries = [{"start_time": 10.0 + i, "end_time": 11.0 + i, "request": json.dumps({"prompt": f"p{i}"}),
+                "info": {"response_metrics": {"server_usage": {"prompt_tokens": 100, "completion_tokens": 16,
+                                                               "prompt_tokens_details": {"cached_tokens": 64 * i}}}},
+                "computed_metrics": {"time_to_first_token": 0.1 * (i + 1), "request_latency": 1.0,
+                                     "time_per_output_token": 0.05}, "error": None} for i in range(3)]
+    (tmp_path / "per_request_lifecycle_metrics.json").write_text(json.dumps(entries[::-1]))
+    (tmp_path / "stage_0_lifecycle_metrics.json").write_text(json.dumps({"load_summary": {"count": 3}}))
+    (rs,), (ps,) = ipperf.results(tmp_path, 1)
+    assert ps == ["p0", "p1", "p2"] and [r.cached_tokens for r in rs] == [0, 64, 128]
+    assert [r.sent_s for r in rs] == [0.0, 1.0, 2.0] and rs[2].ttft_s == pytest.approx(0.3) and all(r.ok for r in rs)
+
+
+def test_inference_perf_config_uses_its_shared_prefix_generator_and_a_poisson_sweep(tmp_path):
+    spec = ipperf.SharedPrefixSpec(12, 8, 512, 40, 16, seed=3)
+    c = ipperf.config(spec, [0.5, 1.0], 30, "http://10.9.1.2:8000", "sk-bench", "m", "/tok", tmp_path)
+    assert c["data"]["type"] == "shared_prefix" and c["data"]["shared_prefix"]["num_groups"] == 12
+    assert c["load"]["type"] == "poisson" and [s["rate"] for s in c["load"]["stages"]] == [0.5, 1.0]
+    assert c["server"]["api_key"] == "sk-bench" and c["api"]["streaming"]
+    assert spec.distinct_prefix_tokens == 12 * 512 and spec.prompts == 96
