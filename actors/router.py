@@ -75,6 +75,10 @@ class Router:
     def report_load(self, worker: WorkerId, load: WorkerLoad) -> None:
         self.model.observe_load(worker, load)
 
+    def report_decision(self, kind: str) -> None:
+        """A router that ranked here (``rank``) and decided itself (placement) reports its choice."""
+        self.decisions[kind] += 1
+
     def report_outcome(self, kind: str, predicted_s: float, actual_s: float) -> None:
         e = self._err.setdefault(kind, [0, 0.0, 0.0])
         e[0] += 1
@@ -83,8 +87,9 @@ class Router:
 
     # -- questions --------------------------------------------------------------------------
     def rank(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
-             workers: Sequence[WorkerId] | None = None) -> list[Candidate]:
-        return self.model.rank(prompt_tokens, holdings, workers)
+             workers: Sequence[WorkerId] | None = None,
+             pending: Mapping[WorkerId, int] | None = None) -> list[Candidate]:
+        return self.model.rank(prompt_tokens, holdings, workers, pending)
 
     def decide(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
                workers: Sequence[WorkerId] | None = None) -> RouteDecision | None:
@@ -148,8 +153,10 @@ class RouterClient:
         return await self._ask("decide", prompt_tokens, dict(holdings), list(workers) if workers else None)
 
     async def rank(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
-                   workers: Sequence[WorkerId] | None = None) -> list[Candidate] | None:
-        return await self._ask("rank", prompt_tokens, dict(holdings), list(workers) if workers else None)
+                   workers: Sequence[WorkerId] | None = None,
+                   pending: Mapping[WorkerId, int] | None = None) -> list[Candidate] | None:
+        return await self._ask("rank", prompt_tokens, dict(holdings), list(workers) if workers else None,
+                               dict(pending or {}))
 
     async def choose(self, prompt_tokens: int, holdings: Mapping[WorkerId, int], workers: Sequence[WorkerId],
                      load: Mapping[WorkerId, float]) -> RouteDecision | WorkerId | None:

@@ -74,7 +74,7 @@ class Worker:
                 "max_model_len": e.max_model_len, "block_size": e.config.block_size,
                 "kv_bytes_per_token": e.cache.bytes_per_block(e.cache.num_layers, 1, e.cache.num_kv_heads,
                                                               e.cache.head_dim, e.cache.dtype),
-                "node_id": self.node_id, "pid": os.getpid()}
+                "node_id": self.node_id, "pid": os.getpid(), "num_blocks": e.pool.num_blocks}
 
     async def generate(self, request: Request, pulls: tuple[Pull, ...] = (), donor_pulls: tuple[DonorPull, ...] = ()):
         """Stream outputs. ``pulls`` (from the router) name holders of the prompt's prefix: their

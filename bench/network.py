@@ -63,6 +63,7 @@ from actors.router import ROUTER_NAME, ROUTER_NAMESPACE, Router, RouterClient  #
 from actors.worker import Pull, worker_actor_class  # noqa: E402
 from cluster.pool import WorkerState  # noqa: E402
 from cluster.routing import CostAwareRouter  # noqa: E402
+from policies.placement import TTFT_ONLY, Placer  # noqa: E402
 from engine.llm_engine import EngineConfig  # noqa: E402
 from engine.sequence import Request, SamplingParams  # noqa: E402
 from policies.routing import CostConfig  # noqa: E402
@@ -197,11 +198,14 @@ class Bench:
 
     def decide(self, pair: Pair, prompt, load: int, holder_candidate: bool) -> dict:
         h = pair.holder
-        h.inflight, h.inflight_tokens = (1, load) if load else (0, 0)
+        h.queued = {"load": load} if load else {}  # the holder's queue: prompt tokens to compute
+        # each decision in isolation and by TTFT alone (this bench scores the TTFT choice; placement
+        # for cache capacity is bench/placement_sim.py's and bench/cluster.py's subject)
+        self.router.placer = Placer(TTFT_ONLY)
         cands = [h, pair.target] if holder_candidate else [pair.target]
         req = Request(self._rid("route"), prompt, ONE)
         choice = asyncio.run(self.router.choose(req, cands))
-        h.inflight, h.inflight_tokens = 0, 0
+        h.queued = {}
         holdings = {h.worker_id: len(prompt) - SUFFIX}
         opts = ray.get(self.router_actor.all_options.remote(len(prompt), holdings, [c.worker_id for c in cands]))
         predicted = {}

@@ -38,6 +38,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -127,6 +128,8 @@ class WorkerPool:
         self._actor_cls = None
         self._index = self._router_actor = self._router_client = None
         self.error: str | None = None
+        self.routed: Counter[str] = Counter()  # requests routed per worker
+        self.decisions: Counter[str] = Counter()  # by planned route: local | pulled | recomputed
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self, autoscale: bool = True) -> None:
@@ -214,6 +217,8 @@ class WorkerPool:
 
     def _kill(self, ws: WorkerState) -> None:
         self.workers.pop(ws.worker_id, None)
+        if isinstance(self.router, CostAwareRouter):
+            self.router.placer.remove(ws.worker_id)
         if self.config.cost_aware_routing and self._router_client is not None:
             self._router_client.report("remove", ws.worker_id)
         try:
@@ -338,6 +343,9 @@ class WorkerPool:
         flight.worker_id, flight.route, flight.expected_ttft_s = ws.worker_id, choice.route, choice.expected_ttft_s
         ws.inflight += 1
         ws.inflight_tokens += flight.cost
+        ws.queued[rid] = max(0, flight.prompt_tokens - choice.cached_tokens)
+        self.routed[ws.worker_id] += 1
+        self.decisions[choice.route] += 1
         return ws, choice
 
     def mark_started(self, request_id: str, route: str | None, ttft_s: float | None, output_tokens: int = 1) -> None:
@@ -348,6 +356,10 @@ class WorkerPool:
             return
         if not f.started and f.expected_ttft_s is not None and ttft_s is not None and self._router_client is not None:
             self._router_client.report("report_outcome", route or f.route, f.expected_ttft_s, ttft_s)
+        if not f.started:
+            ws = self.workers.get(f.worker_id)
+            if ws is not None and ws.queued.pop(request_id, None) is not None:
+                ws.running += 1
         f.started = True
         f.output_tokens = max(f.output_tokens, output_tokens)
 
@@ -365,6 +377,8 @@ class WorkerPool:
             return
         ws.inflight -= 1
         ws.inflight_tokens -= f.cost
+        if ws.queued.pop(request_id, None) is None and f.started:
+            ws.running -= 1
         if worker_dead:
             self._mark_dead(ws)
         elif ws.draining and ws.inflight == 0:
@@ -405,11 +419,21 @@ class WorkerPool:
         return [{"worker_id": w.worker_id, "tenant": w.tenant, "ready": w.info is not None, "draining": w.draining,
                  "inflight": w.inflight, "engine": s} for w, s in zip(workers, engines)]
 
-    async def router_metrics(self) -> dict | None:
-        """The router actor's metrics (decisions, bytes pulled, TTFT errors), None if unavailable."""
-        if self._router_client is None:
-            return None
-        return await self._router_client._ask("metrics")
+    async def router_metrics(self, timeout_s: float = 2.0) -> dict:
+        """Routing counts for ``/metrics``: decisions by planned route, placements by rule and
+        requests per worker (kept here, so they show whatever the router actor does), plus the
+        router actor's bytes pulled, pull failures and TTFT errors when it answers within
+        ``timeout_s``."""
+        out: dict = {"decisions": dict(self.decisions), "routed": dict(self.routed),
+                     "placements": dict(getattr(self.router, "placements", {}) or {})}
+        if self._router_client is not None:
+            try:
+                actor = await asyncio.wait_for(_aref(self._router_client.handle.metrics.remote()), timeout_s)
+            except Exception:  # noqa: BLE001 - slow or gone: show what the pool knows
+                actor = None
+            if actor:
+                out.update({k: v for k, v in actor.items() if k != "decisions"})
+        return out
 
     def queue_depth(self) -> dict[str, int]:
         """Per tenant: requests admitted but without their first token yet."""

@@ -3,9 +3,14 @@
 Per request: hash the prompt's blocks under every domain the tenant may read, ask the index
 actor which worker holds how much of it, publish the candidates' loads and ask the router actor
 for the option with the least expected TTFT (local holder, pull to a less-loaded worker, or
-recompute). Both calls are async with short timeouts; if either is unavailable the request
-still routes (no holdings: by load; no router: least-loaded). The decision travels with the
-request as ``Pull`` instructions, so the chosen worker knows what to fetch and from whom.
+recompute). Placement (``policies.placement.Placer``, one per pool) sits on top of that
+ranking: prompts routed but not yet indexed count as held by their worker (a burst of one group
+stays together), a prompt without a significant match goes to the worker where it evicts the
+least (among those not much slower: load-based spill-over), and a holder keeps its prefix group
+unless another option is clearly faster. Both calls are async with short timeouts; if either is
+unavailable the request still routes (no holdings: by placement alone; no router: placement on
+the pool's own loads). The decision travels with the request as ``Pull`` instructions, so the
+chosen worker knows what to fetch and from whom; ``placements`` counts the rules that chose.
 
 Approximate reuse: for a request with ``reuse == "approximate"`` that names a template, the
 index's slot registry is asked (same short timeout, concurrently with the block lookup) for that
@@ -29,6 +34,7 @@ from actors.router import RouterClient
 from actors.worker import DonorPull, Pull
 from cluster.types import LeastLoadedRouter, RouteChoice, WorkerState
 from engine.sequence import Request
+from policies.placement import PlacementConfig, Placer
 from policies.replication import ReplicationConfig, ReplicationPolicy
 from policies.routing import WorkerLoad
 
@@ -38,7 +44,7 @@ log = logging.getLogger(__name__)
 class CostAwareRouter:
     def __init__(self, model_id: str, block_size: int, index=None, client: RouterClient | None = None,
                  worker_lookup: Callable[[str], WorkerState | None] | None = None, timeout_s: float = 0.05,
-                 replication: ReplicationConfig | None = None):
+                 replication: ReplicationConfig | None = None, placement: PlacementConfig | None = None):
         self.model_id = model_id
         self.block_size = block_size
         self.index = index
@@ -48,6 +54,12 @@ class CostAwareRouter:
         self.fallback = LeastLoadedRouter()
         self._published: dict[str, WorkerLoad] = {}
         self.replication = ReplicationPolicy(replication)
+        self.placer = Placer(placement)
+
+    @property
+    def placements(self):
+        """Decisions by placement rule (match | spill | place; -fallback without estimates)."""
+        return self.placer.placements
 
     max_donor_offers = 8  # donor offers sent with one request (the worker pulls at most one or two)
 
@@ -90,12 +102,35 @@ class CostAwareRouter:
 
     async def _choose_exact(self, request: Request, candidates: Sequence[WorkerState], holdings: dict[str, int],
                             chains: dict[str, list[bytes]]) -> RouteChoice:
-        """The TTFT-ranked choice over exact-prefix holdings (pulls of exact blocks)."""
+        """Holder / pull / recompute by the router actor's TTFT ranking, with placement on top
+        (``policies.placement``): prefixes routed but not yet indexed count as held, a new
+        prefix goes where it evicts the least, a holder keeps its group unless clearly slower.
+        Without the router actor, placement decides from the pool's loads alone."""
+        workers = [w.worker_id for w in candidates]
+        for w in candidates:  # capacity from the worker's ready() (unknown: unbounded)
+            self.placer.shadow(w.worker_id, (w.info or {}).get("num_blocks"))
+        prompt = len(request.prompt_ids)
+        pending = self.placer.pending_tokens(chains, holdings, workers, prompt, self.block_size, time.monotonic())
         self._publish_loads(candidates)
-        decision = await self.client.decide(len(request.prompt_ids), holdings, [w.worker_id for w in candidates])
-        if decision is None:
+        ranking = await self.client.rank(prompt, holdings, workers, pending)
+        # decided after the await, so requests routed meanwhile are in the shadow caches already
+        loads = {w.worker_id: float(sum(w.queued.values())) for w in candidates}
+        placed = self.placer.decide(request.prompt_ids, request.params.max_tokens, self.block_size, chains,
+                                    request.domain, holdings, workers, loads, ranking or None, time.monotonic(),
+                                    reuse=request.reuse != "none")
+        if placed is None:
             return await self.fallback.choose(request, candidates)
-        chosen = decision.chosen
+        choice = self._route_choice(request, candidates, holdings, chains, placed)
+        self.client.report("report_decision", choice.route)
+        return choice
+
+    def _route_choice(self, request: Request, candidates: Sequence[WorkerState], holdings: dict[str, int],
+                      chains: dict[str, list[bytes]], placed) -> RouteChoice:
+        chosen = placed.candidate
+        if chosen is None:  # no estimates: the worker's own prefix, no pulls
+            cached = placed.view.local_blocks * self.block_size
+            return RouteChoice(placed.worker, "local" if cached else "recomputed", (), None,
+                               cached_tokens=cached, placement=placed.kind)
         pulls = []
         for r in chosen.pulls:
             holder = self.worker_lookup(r.holder)
@@ -104,7 +139,8 @@ class CostAwareRouter:
             pulls.append(Pull(holder.actor, r.node, r.start_block, r.end_block))
         if pulls:
             self._replicate(request, chains, pulls, chosen.worker, holdings, candidates)
-        return RouteChoice(chosen.worker, chosen.kind, tuple(pulls), chosen.expected_ttft_s)
+        return RouteChoice(chosen.worker, chosen.kind, tuple(pulls), chosen.expected_ttft_s,
+                           cached_tokens=chosen.cached_tokens, placement=placed.kind)
 
     def _replicate(self, request: Request, chains, pulls: list[Pull], target: str, holdings, candidates) -> None:
         """Count the pull; if the prefix is hot, copy it ahead of demand (fire and forget)."""
@@ -120,10 +156,14 @@ class CostAwareRouter:
             copy = (Pull(first.holder, first.holder_node, 0, first.end_block), *pulls[1:])
             log.info("replicating a hot prefix (%d blocks) to %s", pulls[-1].end_block, wid)
             ws.actor.prefetch.remote(request, copy)
+            self.placer.commit(wid, chains[request.domain][:pulls[-1].end_block], 0, now)
 
     def _publish_loads(self, candidates: Sequence[WorkerState]) -> None:
+        """Each candidate's queue for the cost model: the prompt tokens each routed request
+        without a first token is expected to compute (its cached prefix excluded), and how many
+        are past their first token."""
         for w in candidates:
-            load = WorkerLoad(waiting_tokens=(w.inflight_tokens,) if w.inflight_tokens else (), running=0)
+            load = WorkerLoad(waiting_tokens=tuple(n for n in w.queued.values() if n), running=w.running)
             if self._published.get(w.worker_id) != load:
                 self._published[w.worker_id] = load
                 self.client.report("report_load", w.worker_id, load)

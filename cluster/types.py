@@ -10,7 +10,7 @@ not dead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from engine.sequence import Request
@@ -34,6 +34,10 @@ class WorkerState:
     inflight_tokens: int = 0
     draining: bool = False
     dead: bool = False
+    # requests routed here without a first token yet: request id -> prompt tokens expected to be
+    # computed (not cached); and requests past their first token (the router's load signal)
+    queued: dict[str, int] = field(default_factory=dict)
+    running: int = 0
 
     @property
     def routable(self) -> bool:
@@ -47,6 +51,8 @@ class RouteChoice:
     pulls: tuple = ()  # actors.worker.Pull instructions for the chosen worker
     expected_ttft_s: float | None = None
     donor_pulls: tuple = ()  # actors.worker.DonorPull offers (approximate reuse) for the chosen worker
+    cached_tokens: int = 0  # prompt tokens the router expects to be reused (local + pulled)
+    placement: str | None = None  # the placement rule that chose the worker (policies.placement), if any
 
 
 class Router(Protocol):

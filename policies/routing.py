@@ -412,16 +412,20 @@ class CostModel:
 
     # -- ranking ----------------------------------------------------------------------------
     def candidates(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
-                   workers: Iterable[WorkerId] | None = None) -> list[Candidate]:
-        """Every option on every worker: its own prefix only, or pulls up to each deeper level."""
+                   workers: Iterable[WorkerId] | None = None,
+                   pending: Mapping[WorkerId, int] | None = None) -> list[Candidate]:
+        """Every option on every worker: its own prefix only, or pulls up to each deeper level.
+        ``pending``: prefix tokens a worker is computing for a request routed there but not yet
+        indexed; they count as its own (local) prefix, never as a pull source."""
         bs = self.config.block_size
         targets = list(workers) if workers is not None else list(self.nodes)
         held_blocks = {h: self.usable_tokens(prompt_tokens, t) // bs for h, t in holdings.items()}
         levels = sorted(set(held_blocks.values()))
+        pending = pending or {}
         out: list[Candidate] = []
         for w in targets:
             wait = self.wait_s(w)
-            own = held_blocks.get(w, 0) * bs
+            own = max(held_blocks.get(w, 0), self.usable_tokens(prompt_tokens, pending.get(w, 0)) // bs) * bs
             pre = self.prefill_s(w, prompt_tokens - own, own)
             out.append(Candidate(w, "local" if own else "recomputed", wait + pre, wait, pre, 0.0, own, 0))
             for level in levels:
@@ -438,18 +442,20 @@ class CostModel:
         return out
 
     def rank(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
-             workers: Iterable[WorkerId] | None = None) -> list[Candidate]:
+             workers: Iterable[WorkerId] | None = None,
+             pending: Mapping[WorkerId, int] | None = None) -> list[Candidate]:
         """Best candidate per worker, ascending expected TTFT (ties: fewer pulled tokens, id)."""
         best: dict[WorkerId, Candidate] = {}
-        for c in self.candidates(prompt_tokens, holdings, workers):
+        for c in self.candidates(prompt_tokens, holdings, workers, pending):
             cur = best.get(c.worker)
             if cur is None or _order(c) < _order(cur):
                 best[c.worker] = c
         return sorted(best.values(), key=_order)
 
     def decide(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
-               workers: Iterable[WorkerId] | None = None) -> RouteDecision | None:
-        ranking = self.rank(prompt_tokens, holdings, workers)
+               workers: Iterable[WorkerId] | None = None,
+               pending: Mapping[WorkerId, int] | None = None) -> RouteDecision | None:
+        ranking = self.rank(prompt_tokens, holdings, workers, pending)
         return RouteDecision(ranking[0], tuple(ranking)) if ranking else None
 
 

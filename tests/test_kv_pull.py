@@ -119,9 +119,9 @@ def test_router_pulls_to_idle_node_and_falls_back_on_failure(tiny_model):
         ray.get([w.start_index_publisher.remote(0.05, 0.2) for w in (wa, wb, wc)], timeout=60)
         ray.get([router_actor.register.remote("wa", ia["node_id"]), router_actor.register.remote("wb", ib["node_id"])])
 
-        states = {"wa": WorkerState("wa", wa, ia, inflight=1, inflight_tokens=10**6),  # A artificially loaded
+        states = {"wa": WorkerState("wa", wa, ia, queued={"load": 10**6}),  # A artificially loaded
                   "wb": WorkerState("wb", wb, ib),
-                  "wc": WorkerState("wc", wc, ic, inflight=1, inflight_tokens=10**5)}  # C busy, less than A
+                  "wc": WorkerState("wc", wc, ic, queued={"load": 10**5})}  # C busy, less than A
         router = CostAwareRouter(ia["model_id"], 16, index, RouterClient(router_actor, timeout_s=10.0),
                                  states.get, timeout_s=10.0, replication=ReplicationConfig(threshold=1))
 

@@ -1,0 +1,320 @@
+"""Cache-capacity-aware placement: where a prompt's prefix should live in the cluster.
+
+Pure policy (no Ray). The TTFT cost model (``policies.routing``) ranks one request at a time; on
+its own it sends a miss, or a tie, to whichever worker sorts first, and that worker evicts the
+prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of two workers,
+517 evictions, 42% of the oracle's hits). Placement adds what a per-request TTFT cannot see:
+
+  * **in-flight prefixes.** ``ShadowCache`` is the router's model of one worker's prefix cache:
+    an LRU of the block hashes routed to it, with the worker's capacity. A prefix routed to a
+    worker counts as held there at once, before the worker has computed and indexed it, so a
+    burst of one group does not scatter over workers (each computing it) or miss the holder.
+    It is reconciled with the global index: an entry older than ``index_lag_s`` that the index
+    does not show is gone (evicted, or its request failed).
+  * **new prefixes go where they evict the least.** A prompt with no significant match (under
+    ``min_match_fraction`` of its blocks anywhere) is placed, among the workers whose expected
+    TTFT is within ``place_slack`` of the fastest (load-based spill-over), on the one whose
+    cache would evict the fewest warm blocks to take it, then the coldest ones, then the least
+    loaded; a rendezvous hash of the prompt's leading blocks breaks the remaining ties (so ties
+    spread prompts over workers instead of piling them on the first).
+  * **matches stay with their holder unless it is clearly slower.** With holders, the best
+    holder wins unless another option (a pull to, or a recompute on, a less loaded worker) is
+    faster by ``spill_ratio`` and ``spill_abs_s``, its TTFT charged with the warm blocks it would
+    evict (each at the prompt's prefill time per block: what recomputing them later costs): a
+    copy takes cache space that other groups need now or when they arrive. A hot group spills to a second worker under load (the cost
+    model then chooses between pulling and recomputing there); a near tie never moves a group.
+    ``PlacementConfig(spill_ratio=0, spill_abs_s=0, evict_weight=0)`` is the plain per-request
+    TTFT choice (``TTFT_ONLY``).
+  * ties within ``tie_ratio``/``tie_abs_s`` of the best TTFT are broken by cache headroom (the
+    eviction key above), not by worker order.
+
+Invariants: a ``ShadowCache`` never holds more than its capacity; ``choose`` returns one of the
+given views; with no views it raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Hashable, Literal, Mapping, Sequence
+
+from policies.routing import Candidate, WorkerId
+
+PlacementKind = Literal["match", "spill", "place"]
+PROXY_TOKEN_S = 1e-3  # without estimates: a token of queue or prefill ~ 1 ms (only compared, never reported)
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    min_match_fraction: float = 0.1  # a holder must hold this share of the prompt's reusable blocks
+    min_match_blocks: int = 1
+    spill_ratio: float = 0.5  # leave a holder only for an option this much faster ...
+    spill_abs_s: float = 0.05  # ... plus this
+    evict_weight: float = 1.0  # a spill's warm evictions, charged at this x their recompute time
+    tie_ratio: float = 0.05  # TTFTs this close to the best are ties ...
+    tie_abs_s: float = 0.005  # ... or this close
+    place_slack: float = 1.0  # new prefix: workers within this x the prompt's own prefill of the fastest
+    place_abs_s: float = 0.05
+    warm_s: float = 30.0  # a block used this recently is warm: evicting it costs a future hit
+    index_lag_s: float = 5.0  # the index shows a computed prefix within this long
+    key_blocks: int = 4  # leading blocks that key the rendezvous tie-break
+
+
+TTFT_ONLY = PlacementConfig(spill_ratio=0.0, spill_abs_s=0.0, evict_weight=0.0)
+
+
+class ShadowCache:
+    """The router's model of one worker's prefix cache: block keys in LRU order (oldest first),
+    each with the time it was first routed there and last used; at most ``capacity`` keys."""
+
+    _anon = itertools.count()
+
+    def __init__(self, capacity_blocks: int):
+        if capacity_blocks <= 0:
+            raise ValueError("capacity_blocks must be positive")
+        self.capacity = capacity_blocks
+        self._lru: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()  # key -> (inserted, last used)
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._lru
+
+    def match(self, chain: Sequence[bytes]) -> int:
+        """Leading blocks of ``chain`` present."""
+        k = 0
+        while k < len(chain) and chain[k] in self._lru:
+            k += 1
+        return k
+
+    def touch(self, chain: Sequence[bytes], private_blocks: int, now: float) -> None:
+        """A request routed here uses ``chain`` and ``private_blocks`` blocks nobody shares
+        (its unshared tail, its output). The engine frees tail blocks first, so they become
+        older than the shared prefix, whose first block is the most recent."""
+        for _ in range(private_blocks):
+            self._put(("private", next(self._anon)), now)
+        for key in reversed(chain):
+            self._put(key, now)
+
+    def _put(self, key: Hashable, now: float) -> None:
+        old = self._lru.pop(key, None)
+        self._lru[key] = (old[0] if old else now, now)
+        while len(self._lru) > self.capacity:
+            self._lru.popitem(last=False)
+            self.evicted += 1
+
+    def reconcile(self, chain: Sequence[bytes], indexed_blocks: int, now: float, lag_s: float) -> None:
+        """The index shows ``indexed_blocks`` of ``chain`` here: drop deeper entries it should
+        have shown by now (routed here more than ``lag_s`` ago)."""
+        for key in chain[indexed_blocks:]:
+            ent = self._lru.get(key)
+            if ent is not None and ent[0] < now - lag_s:
+                del self._lru[key]
+
+    def eviction_cost(self, new_blocks: int, now: float, warm_s: float) -> tuple[int, int, float]:
+        """What taking ``new_blocks`` more blocks costs, smaller is better: ``(0, 0, -free blocks
+        left)`` when they fit in free space, else ``(warm blocks evicted, 1, -age of the most
+        recently used block evicted)`` (evicting colder blocks is cheaper)."""
+        need = len(self._lru) + new_blocks - self.capacity
+        if need <= 0:
+            return 0, 0, float(need)
+        warm, newest = 0, float("-inf")
+        for _, (_, used) in itertools.islice(self._lru.items(), min(need, len(self._lru))):
+            warm += used > now - warm_s
+            newest = max(newest, used)
+        warm += max(0, need - len(self._lru))  # more than the whole cache
+        return warm, 1, (newest - now) if newest > float("-inf") else 0.0
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One worker as placement sees it for one request.
+
+    ``ttft_s``/``candidate``: its best option from the cost model (None in a fallback without
+    estimates: ``ttft_s`` is then a load proxy). ``local_blocks``: prompt blocks it holds or is
+    computing. ``eviction``: ``ShadowCache.eviction_cost`` of the blocks it would add. ``load``:
+    in-flight tokens. ``rank``: its rendezvous order for the prompt (0 = first)."""
+
+    worker: WorkerId
+    ttft_s: float
+    local_blocks: int
+    eviction: tuple[int, int, float]
+    load: float = 0.0
+    rank: int = 0
+    candidate: Candidate | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    worker: WorkerId
+    kind: PlacementKind
+    view: WorkerView
+
+    @property
+    def candidate(self) -> Candidate | None:
+        return self.view.candidate
+
+
+def rendezvous_order(key: bytes, workers: Sequence[WorkerId]) -> dict[WorkerId, int]:
+    """Highest-random-weight order of ``workers`` for ``key`` (stable, uniform over keys)."""
+    score = {w: hashlib.blake2b(key + w.encode(), digest_size=8).digest() for w in workers}
+    return {w: i for i, w in enumerate(sorted(workers, key=lambda w: score[w], reverse=True))}
+
+
+def _headroom_key(v: WorkerView) -> tuple:
+    return (v.eviction, v.load, v.rank, v.worker)
+
+
+def _within(views: Sequence[WorkerView], best_s: float, ratio: float, abs_s: float) -> list[WorkerView]:
+    limit = best_s + max(abs_s, ratio * best_s)
+    return [v for v in views if v.ttft_s <= limit + 1e-12]
+
+
+def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: float,
+           config: PlacementConfig = PlacementConfig()) -> Placement:
+    """The worker for one request (see the module docstring for the rules)."""
+    if not views:
+        raise ValueError("no workers to choose from")
+    c = config
+    threshold = max(c.min_match_blocks, c.min_match_fraction * usable_blocks)
+    holders = [v for v in views if v.local_blocks >= threshold and v.local_blocks > 0]
+    fastest = min(v.ttft_s for v in views)
+    if holders:
+        best_h_s = min(v.ttft_s for v in holders)
+        best_h = min(_within(holders, best_h_s, c.tie_ratio, c.tie_abs_s), key=_headroom_key)
+        # a copy on a second worker takes cache space other groups may need (now or when they
+        # arrive): only for an option faster by the spill margin, counting the warm blocks it
+        # evicts at what recomputing them later costs (the prompt's prefill per block)
+        block_s = c.evict_weight * prompt_prefill_s / max(1, usable_blocks)
+        eff = {v.worker: v.ttft_s + v.eviction[0] * block_s for v in views}
+        best_eff = min(eff.values())
+        if best_h_s > best_eff * (1 + c.spill_ratio) + c.spill_abs_s:
+            limit = best_eff + max(c.tie_abs_s, c.tie_ratio * best_eff)
+            v = min((v for v in views if eff[v.worker] <= limit + 1e-12), key=_headroom_key)
+            return Placement(v.worker, "spill", v)
+        return Placement(best_h.worker, "match", best_h)
+    eligible = _within(views, fastest, 0.0, max(c.place_abs_s, c.place_slack * prompt_prefill_s))
+    v = min(eligible, key=_headroom_key)
+    return Placement(v.worker, "place", v)
+
+
+class Placer:
+    """Placement state of one router: a ``ShadowCache`` per worker (capacity in blocks; a worker
+    of unknown capacity gets ``default_capacity``)."""
+
+    def __init__(self, config: PlacementConfig | None = None, default_capacity: int = 1 << 20):
+        self.config = config or PlacementConfig()
+        self.default_capacity = default_capacity
+        self.shadows: dict[WorkerId, ShadowCache] = {}
+        self.placements: Counter[str] = Counter()  # decisions by rule (match | spill | place; -fallback)
+
+    def shadow(self, worker: WorkerId, capacity_blocks: int | None = None) -> ShadowCache:
+        s = self.shadows.get(worker)
+        if s is None or (capacity_blocks and s.capacity != capacity_blocks):
+            fresh = ShadowCache(capacity_blocks or self.default_capacity)
+            if s is not None:
+                for k, v in s._lru.items():
+                    fresh._put(k, v[1])
+            s = self.shadows[worker] = fresh
+        return s
+
+    def remove(self, worker: WorkerId) -> None:
+        self.shadows.pop(worker, None)
+
+    def pending_tokens(self, chains: Mapping[str, Sequence[bytes]], holdings: Mapping[WorkerId, int],
+                       workers: Sequence[WorkerId], prompt_tokens: int, block_size: int,
+                       now: float) -> dict[WorkerId, int]:
+        """Step 1 of a decision: per worker, prompt tokens it holds by the router's own record
+        (for the cost model's ``pending``: they count as the worker's own prefix)."""
+        held = _held_blocks(holdings, prompt_tokens, block_size)
+        return {w: n * block_size for w, n in self.pending(chains, held, workers, now).items()}
+
+    def decide(self, prompt_ids: Sequence[int], max_tokens: int, block_size: int,
+               chains: Mapping[str, Sequence[bytes]], own_domain: str, holdings: Mapping[WorkerId, int],
+               workers: Sequence[WorkerId], loads: Mapping[WorkerId, float], ranking: Sequence[Candidate] | None,
+               now: float, reuse: bool = True) -> Placement | None:
+        """Step 2: the placement of one request, and (``reuse``) its record in the chosen
+        worker's shadow cache. ``holdings``: the index's prompt tokens per worker; ``chains``:
+        the prompt's block hashes per readable domain (own domain ``own_domain``); ``loads``:
+        per worker, queued prompt tokens to compute; ``ranking``: the cost model's best
+        candidate per worker (None: decide from the loads alone). None when no worker fits."""
+        prompt = len(prompt_ids)
+        usable = max(0, (prompt - 1) // block_size)
+        held = _held_blocks(holdings, prompt, block_size)
+        pending = self.pending(chains, held, workers, now) if chains else {}
+        local = {w: max(held.get(w, 0), pending.get(w, 0)) for w in workers}
+        own = list(chains.get(own_domain, ()))
+        total = -(-(prompt + max_tokens) // block_size)
+        proxy = {w: PROXY_TOKEN_S * (loads.get(w, 0.0) + prompt - local[w] * block_size) for w in workers}
+        views = self.views(ranking or None, workers, local, total, loads,
+                           leading_key(own, prompt_ids, self.config.key_blocks), now, proxy)
+        if not views:
+            return None
+        prefill = full_prefill_s(ranking, prompt) if ranking else PROXY_TOKEN_S * prompt
+        placed = choose(views, usable, prefill, self.config)
+        self.placements[placed.kind if ranking else f"{placed.kind}-fallback"] += 1
+        if reuse:
+            self.commit(placed.worker, own, max(0, total - len(own)), now)
+        return placed
+
+    def pending(self, chains: Mapping[str, Sequence[bytes]], holdings_blocks: Mapping[WorkerId, int],
+                workers: Sequence[WorkerId], now: float) -> dict[WorkerId, int]:
+        """Per worker, prompt blocks it holds by the router's own record (routed there, maybe
+        not yet indexed), after reconciling with the index's ``holdings_blocks``."""
+        out: dict[WorkerId, int] = {}
+        for w in workers:
+            s = self.shadow(w)
+            best = 0
+            for chain in chains.values():
+                s.reconcile(chain, holdings_blocks.get(w, 0), now, self.config.index_lag_s)
+                best = max(best, s.match(chain))
+            if best:
+                out[w] = best
+        return out
+
+    def views(self, ranking: Sequence[Candidate] | None, workers: Sequence[WorkerId],
+              local_blocks: Mapping[WorkerId, int], new_blocks: int, loads: Mapping[WorkerId, float],
+              key: bytes, now: float, fallback_ttft: Mapping[WorkerId, float] | None = None) -> list[WorkerView]:
+        """One ``WorkerView`` per worker from the cost model's ``ranking`` (best candidate per
+        worker), or, without one, from ``fallback_ttft``/the loads."""
+        order = rendezvous_order(key, workers)
+        by_worker = {c.worker: c for c in ranking or ()}
+        out = []
+        for w in workers:
+            cand = by_worker.get(w)
+            if ranking is not None and cand is None:
+                continue  # the cost model does not know this worker (yet)
+            have = local_blocks.get(w, 0)
+            ttft = cand.expected_ttft_s if cand is not None else (fallback_ttft or {}).get(w, loads.get(w, 0.0))
+            out.append(WorkerView(w, ttft, have, self.shadow(w).eviction_cost(max(0, new_blocks - have), now,
+                                                                              self.config.warm_s),
+                                  loads.get(w, 0.0), order[w], cand))
+        return out
+
+    def commit(self, worker: WorkerId, chain: Sequence[bytes], private_blocks: int, now: float) -> None:
+        """Record that a request using ``chain`` (its own domain's hashes) went to ``worker``."""
+        self.shadow(worker).touch(chain, private_blocks, now)
+
+
+def full_prefill_s(ranking: Sequence[Candidate], prompt_tokens: int) -> float:
+    """The prompt's prefill time without any cached prefix, from a ranking: a recompute
+    candidate's own estimate, else the least-cached candidate's scaled to the whole prompt."""
+    c = min(ranking, key=lambda c: (c.cached_tokens, c.worker))
+    return c.prefill_s * prompt_tokens / max(1, prompt_tokens - c.cached_tokens)
+
+
+def _held_blocks(holdings: Mapping[WorkerId, int], prompt_tokens: int, block_size: int) -> dict[WorkerId, int]:
+    usable = max(0, (prompt_tokens - 1) // block_size)
+    return {w: min(t // block_size, usable) for w, t in holdings.items()}
+
+
+def leading_key(chain: Sequence[bytes], prompt_ids: Sequence[int], key_blocks: int) -> bytes:
+    """The rendezvous key of a prompt: its ``key_blocks``-th block hash (or its deepest one), or,
+    for a prompt shorter than a block, its tokens."""
+    if chain:
+        return chain[min(len(chain), key_blocks) - 1]
+    return b"".join(int(t).to_bytes(4, "little") for t in prompt_ids[:64])

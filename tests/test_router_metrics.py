@@ -1,0 +1,84 @@
+"""Router decisions on /metrics: decisions by planned route, placement rules and requests per
+worker come from the controller's pool (they show even when the router actor is slow), bytes
+pulled from the router actor. Over HTTP with 2 tiny workers, Ray on loopback."""
+
+import os
+import socket
+
+import httpx
+import pytest
+import yaml
+
+from cluster.metrics import Metrics
+
+TINY = "tiny-llama"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _value(text: str, name: str, **labels) -> float | None:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{want}}} ") or (not labels and line.startswith(f"{name} ")):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_render_shows_routing_counts():
+    m = Metrics(["acme"])
+    text = m.render({}, {}, {"ready": 2}, {}, {"decisions": {"local": 3, "recomputed": 2},
+                                             "placements": {"match": 3, "place": 2},
+                                             "routed": {"kv-w0": 4, "kv-w1": 1}, "bytes_pulled": 1024,
+                                             "pull_failures": 0, "ttft_error": {}}).decode()
+    assert _value(text, "kvmesh_router_decisions", kind="local") == 3
+    assert _value(text, "kvmesh_router_placements", kind="place") == 2
+    assert _value(text, "kvmesh_router_routed", worker="kv-w0") == 4
+    assert _value(text, "kvmesh_router_bytes_pulled") == 1024
+
+
+@pytest.mark.ray
+def test_metrics_over_http_show_router_decisions_with_two_workers(tmp_path):
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        tenants = tmp_path / "tenants.yaml"
+        tenants.write_text(yaml.safe_dump({"tenants": [{"name": "acme", "api_keys": ["sk-acme"]}]}))
+        serve.run(build_app({"model": TINY, "tenants": str(tenants), "kv_cache_bytes": 8 << 20, "workers": 2,
+                             "worker_num_cpus": 0}), name="rm", route_prefix="/")
+        prompts = ["shared system prompt number one, " * 4 + f"q{i}" for i in range(3)]
+        prompts += ["another group's system prompt text! " * 4 + f"q{i}" for i in range(3)]
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
+            workers = []
+            for p in prompts:
+                r = c.post("/v1/completions", headers={"Authorization": "Bearer sk-acme"},
+                           json={"model": TINY, "prompt": p, "max_tokens": 2, "temperature": 0})
+                assert r.status_code == 200, r.text
+                workers.append(r.json()["kvmesh"]["worker"])
+            text = c.get("/metrics").text
+        routed = {w: _value(text, "kvmesh_router_routed", worker=w) for w in set(workers)}
+        assert routed == {w: float(workers.count(w)) for w in set(workers)}
+        decisions = sum(_value(text, "kvmesh_router_decisions", kind=k) or 0 for k in ("local", "pulled", "recomputed"))
+        assert decisions == len(prompts)
+        placements = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                         if line.startswith("kvmesh_router_placements{"))
+        assert placements == len(prompts)  # the cost-aware router placed every one
+        assert _value(text, "kvmesh_router_bytes_pulled") is not None
+        # each group stays on one worker (placement, not request order)
+        assert len(set(workers[:3])) == 1 and len(set(workers[3:])) == 1
+    finally:
+        serve.shutdown()
+        if started:
+            ray.shutdown()
