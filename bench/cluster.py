@@ -37,6 +37,7 @@ import os
 import platform
 import random
 import re
+import signal
 import sys
 import time
 import urllib.request
@@ -55,7 +56,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "SmolLM2-135M-Instruct"
 PORT = 8000
 HOST_ENV = {"PYTHONPATH": "/root/kvmesh", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-            "RAY_object_manager_pull_timeout_ms": "120000"}
+            "RAY_object_manager_pull_timeout_ms": "120000",
+            # a node gives its dashboard agent this long to report its ports (the default 15 s is too short for
+            # Python to start on this loaded 2-core machine; Ray >= 2.5x reads it for the agent port files)
+            "RAY_agent_register_timeout_ms": "240000"}
 TEXTS = ["The weather is nice today.", "My brother lives near the river.", "Please close the door.",
          "We go to the market on Saturday.", "The children play in the park.", "I would like a coffee.",
          "She reads a book every evening.", "The museum opens at nine.", "Our neighbours have a dog.",
@@ -90,10 +94,19 @@ class Cluster:
     def up(self, workers: list[str], boot_timeout_s: float) -> dict:
         cfg = rayup.sibling_config(rayup.load_shipped(), cluster_name=f"kvmesh-bench-{self.lab.network.tag}",
                                    head_ip=self.head.ip, worker_ips=[self.lab.hosts[w].ip for w in workers],
-                                   key=self.lab.key, venv=rayup.venv_dir())
+                                   key=self.lab.key, venv=rayup.venv_dir(),
+                                   start_lock=self.lab.run_dir / "ray-start.lock")
         self.config_path = rayup.write_config(cfg, self.lab.run_dir / "ray-up.yaml")
         t0 = time.monotonic()
-        rayup.ray_up(self.config_path, self.out / "ray.log")
+        for attempt in range(1, 4):  # Ray gives a starting node 30 s (fixed) to register; a loaded machine misses it
+            try:
+                rayup.ray_up(self.config_path, self.out / "ray.log")
+                break
+            except RuntimeError as e:
+                self.log(f"ray up attempt {attempt} failed: {str(e).splitlines()[-1]}")
+                rayup.ray_down(self.config_path, self.out / "ray.log")
+                if attempt == 3:
+                    raise
         alive = self.wait_nodes(len(workers) + 1, boot_timeout_s)
         if alive < len(workers) + 1:  # a worker whose start failed: ray up again, as a user would
             self.log(f"only {alive} of {len(workers) + 1} nodes joined; ray up --restart-only")
@@ -154,7 +167,11 @@ class Cluster:
         return self.get("/health")[0] == 200
 
     def down(self) -> int:
-        return rayup.ray_down(self.config_path, self.out / "ray.log") if self.config_path else 0
+        if not self.config_path:
+            return 0
+        rc = rayup.ray_down(self.config_path, self.out / "ray.log")
+        rayup.forget(self.config_path)
+        return rc
 
 
 # -- metrics ---------------------------------------------------------------------------------
@@ -191,7 +208,11 @@ def decisions(m: dict[str, float]) -> dict:
               if k.startswith("kvmesh_routes_total") and 'route="' in k}
     kinds = {re.search(r'kind="([^"]+)"', k).group(1): v for k, v in m.items()
              if k.startswith("kvmesh_router_decisions") and 'kind="' in k}
-    return {"routes": routes, "router_decisions": kinds,
+    placements = {re.search(r'="([^"]+)"', k).group(1): v for k, v in m.items()
+                  if k.startswith("kvmesh_router_placements{")}
+    routed = {re.search(r'worker="([^"]+)"', k).group(1): v for k, v in m.items()
+              if k.startswith("kvmesh_router_routed{") and 'worker="' in k}
+    return {"routes": routes, "router_decisions": kinds, "placements": placements, "routed_per_worker": routed,
             "bytes_pulled": sum(v for k, v in m.items() if k.startswith("kvmesh_router_bytes_pulled")),
             "pulled_tokens": sum(v for k, v in m.items() if k.startswith("kvmesh_pulled_tokens_total"))}
 
@@ -294,10 +315,16 @@ def parse_args(argv=None):
     return a
 
 
+def _interrupt(signum, frame):  # SIGTERM/SIGINT (also when started in the background): clean up, then exit
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("bench/cluster.py needs root (network namespaces, tc, sshd)")
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -318,7 +345,7 @@ def main(argv=None) -> dict:
     steps = sum(len(args.rates) + len(others) + 1 for c in args.configs if c != "kvmesh+approx" or args.approx_all)
     steps += 2 if "kvmesh+approx" in args.configs and not args.approx_all else 0
     bar = tqdm(total=steps, desc="cluster bench", unit="step", dynamic_ncols=True)
-    log = lambda msg: tqdm.write(f"[{time.strftime('%H:%M:%S')}] {msg}")  # noqa: E731
+    log = lambda msg: tqdm.write(f"[{time.strftime('%H:%M:%S', time.gmtime())}] {msg}")  # noqa: E731
     doc: dict = {"bench": "cluster", "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                                  "python": platform.python_version()},
                  "load_avg": {"start": load_avg()}, "args": {k: v for k, v in vars(args).items()},
@@ -331,7 +358,8 @@ def main(argv=None) -> dict:
     lab_ref = {}
     try:
         with ssh_hosts(links, prefix=args.tag_prefix, env=HOST_ENV,
-                       binds={str(ipperf.CACHE): ".cache/kvmesh", str(Path.home() / ".pyenv"): ".pyenv"}) as lab:
+                       binds={str(ipperf.CACHE): ".cache/kvmesh", str(Path.home() / ".pyenv"): ".pyenv"},
+                       daemon=rayup.port_prewriter()) as lab:
             lab_ref["lab"] = lab
             cl = Cluster(lab, work, log)
             doc["cluster"] = {"hosts": {n: {"ip": h.ip, "rate_mbit": h.rate_mbit} for n, h in lab.hosts.items()},
@@ -343,8 +371,13 @@ def main(argv=None) -> dict:
                 doc["cluster"].update(ray_up_s=up["up_s"], nodes=up["nodes"], ray_up_config=up["config"])
                 log(f"cluster up in {up['up_s']:.0f}s ({up['nodes']} nodes)")
                 for name in args.configs:
-                    doc["configs"][name] = run_config(cl, name, args, exe, mdir, tok, kv_bytes, others, grants, bar,
-                                                      log, doc)
+                    try:
+                        doc["configs"][name] = run_config(cl, name, args, exe, mdir, tok, kv_bytes, others, grants,
+                                                          bar, log, doc)
+                    except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the others
+                        log(f"{name} failed: {type(e).__name__}: {e}")
+                        doc["configs"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                        cl.shutdown_serve()
                     write(doc, out_json)
             finally:
                 doc["cluster"]["ray_down_rc"] = cl.down()

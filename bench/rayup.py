@@ -13,7 +13,10 @@ each named in ``CHANGES`` (the bench writes them into its JSON):
   loader's check, run on four workers at once, also starves the Ray agents starting next to it);
 * start commands: ``--num-cpus`` per node (one per worker: one engine thread each, and the head
   none, so that every worker lands on a worker node), ``--object-store-memory`` (this machine's
-  RAM is shared by five nodes) and fixed raylet/agent ports (``FIXED_PORTS``).
+  RAM is shared by five nodes), fixed raylet/agent ports (``FIXED_PORTS``) and, with
+  ``start_lock``, ``flock`` around ``ray start`` so that the hosts of this one machine start
+  their nodes one at a time (Ray gives a node's dashboard agent a fixed 15 s to come up; four
+  starting at once on two loaded cores miss it, and the head's autoscaler retries them).
 
 The shipped config itself names the head's address in its start command
 (``--node-ip-address``, the same address as ``head_ip``; the bench substitutes this run's): without
@@ -50,7 +53,7 @@ CHANGES = (
     "cache mounted at ~/.cache/kvmesh), so `make setup model` becomes the link",
     "start commands: --num-cpus (1 per worker node, 0 on the head), --object-store-memory per node, fixed "
     "agent/raylet ports (a dynamic-port dashboard agent that starts slower than ~15 s aborts its raylet on this "
-    "loaded machine)",
+    "loaded machine), `flock` around `ray start` (one node starting at a time on this one machine)",
     "head start command: the shipped --node-ip-address (= head_ip) replaced by this run's head address",
 )
 
@@ -62,7 +65,7 @@ def venv_dir() -> Path:
 
 def sibling_config(shipped: dict, *, cluster_name: str, head_ip: str, worker_ips: list[str], key: Path,
                    venv: Path, head_cpus: int = 0, worker_cpus: int = 1,
-                   object_store_mb: int = 256) -> dict:
+                   object_store_mb: int = 256, start_lock: Path | None = None) -> dict:
     """This run's ``ray up`` config, derived from ``shipped`` (see the module docstring)."""
     cfg = copy.deepcopy(shipped)
     cfg["cluster_name"] = cluster_name
@@ -78,6 +81,8 @@ def sibling_config(shipped: dict, *, cluster_name: str, head_ip: str, worker_ips
         for c in cmds:
             if " start " in f" {c} " and "ray start" in c:
                 c = f"{c} --num-cpus={cpus} {store}"
+                if start_lock is not None:  # one node starting at a time (all hosts share this file)
+                    c = c.replace("~/kvmesh/.venv/bin/ray start", f"flock {start_lock} ~/kvmesh/.venv/bin/ray start")
             out.append(c.replace(shipped_head, head_ip) if "--head" in c else c)
         return out
 
@@ -123,3 +128,33 @@ def ray_exec(config: Path, command: str, log: Path, timeout_s: float = 300, chec
 
 def ray_down(config: Path, log: Path, timeout_s: float = 180) -> int:
     return _ray("down", "-y", str(config), timeout_s=timeout_s, log=log).returncode
+
+
+def forget(config: Path) -> None:
+    """Remove what ``ray up``/``down`` left on this (the driver's) machine for the cluster: the
+    local provider's state and lock files and the cached provider configs naming it."""
+    name = yaml.safe_load(config.read_text())["cluster_name"]
+    for f in [*Path("/tmp/ray").glob(f"cluster-{name}.*"), *Path("/tmp").glob(f"cluster-{name}.*")]:
+        f.unlink(missing_ok=True)
+    for f in Path("/tmp").glob("ray-config-*"):
+        try:
+            if name in f.read_text(errors="replace"):
+                f.unlink()
+        except OSError:
+            continue
+
+
+def port_prewriter(ports: dict[str, int] = FIXED_PORTS) -> str:
+    """A host daemon (shell loop) for this overloaded machine: as soon as a raylet on the host logs
+    its node id, write the dashboard agent's and runtime-env agent's port files that the raylet
+    waits for (Ray 2.60 gives them a fixed 15 s, not configurable, and on two cores shared by
+    many processes the agents' Python takes longer to start). The ports are the fixed ones the
+    start commands pass (``FIXED_PORTS``), so the files say what the agents then bind; the agents
+    rewrite the same values when they are up."""
+    listen, env_port = ports["dashboard-agent-listen-port"], ports["runtime-env-agent-port"]
+    return ("while :; do for log in /tmp/ray/session_*/logs/raylet.out; do [ -f \"$log\" ] || continue; "
+            "s=${log%/logs/raylet.out}; [ -e \"$s/.ports_prewritten\" ] && continue; "
+            "id=$(grep -a -o -m1 'node_id=[0-9a-f]*' \"$log\" | cut -d= -f2); [ -n \"$id\" ] || continue; "
+            f"[ -e \"$s/dashboard_agent_listen_port_$id\" ] || printf {listen} > \"$s/dashboard_agent_listen_port_$id\"; "
+            f"[ -e \"$s/runtime_env_agent_port_$id\" ] || printf {env_port} > \"$s/runtime_env_agent_port_$id\"; "
+            "touch \"$s/.ports_prewritten\"; done; sleep 0.3; done")

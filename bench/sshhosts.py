@@ -93,14 +93,19 @@ def sshd_config(host: Host, run_dir: Path, host_key: Path, authorized: Path, ext
     ])
 
 
-def host_init(host: Host, sshd_conf: Path, binds: dict[str, str]) -> str:
+def host_init(host: Host, sshd_conf: Path, binds: dict[str, str], daemon: str | None = None) -> str:
     """The shell line that becomes the host's PID 1: private /tmp, ``binds`` (source path ->
-    path under the host's home) mounted into its home, the home mounted on /root, then sshd."""
+    path under the host's home) mounted into its home, the home mounted on /root, ``daemon`` (a
+    shell command) started in the background, then sshd."""
     steps = [f"mount --bind {host.tmp} /tmp"]
     for src, rel in binds.items():
         steps.append(f"mkdir -p {host.home / rel} && mount --bind {src} {host.home / rel}")
-    steps += [f"mount --rbind {host.home} /root", f"exec {SSHD} -D -e -f {sshd_conf}"]
-    return " && ".join(steps)
+    steps.append(f"mount --rbind {host.home} /root")
+    line = " && ".join(steps)
+    if daemon:
+        line += f" && ( {daemon} ) </dev/null >/dev/null 2>&1 &"
+        return line + f" exec {SSHD} -D -e -f {sshd_conf}"
+    return line + f" && exec {SSHD} -D -e -f {sshd_conf}"
 
 
 def _wait_port(ip: str, port: int, timeout_s: float, proc: subprocess.Popen) -> None:
@@ -151,7 +156,8 @@ def leftover_pids(lab: HostLab) -> list[int]:
 
 @contextlib.contextmanager
 def ssh_hosts(links: Sequence[LinkSpec], prefix: str = "kvm", env: dict[str, str] | None = None,
-              binds: dict[str, str] | None = None, boot_timeout_s: float = 30) -> Iterator[HostLab]:
+              binds: dict[str, str] | None = None, daemon: str | None = None,
+              boot_timeout_s: float = 30) -> Iterator[HostLab]:
     """Build the hosts and start their sshd; ``env`` is set in every SSH session on them;
     ``binds`` maps paths of this machine to paths under every host's home (e.g. a model cache
     the hosts come provisioned with)."""
@@ -177,7 +183,7 @@ def ssh_hosts(links: Sequence[LinkSpec], prefix: str = "kvm", env: dict[str, str
             (host.home / ".bashrc").write_text("")  # Ray's commands `source ~/.bashrc` first
             conf = run_dir / f"sshd-{spec.name}.conf"
             conf.write_text(sshd_config(host, run_dir, host_key, authorized, env or {}))
-            inner = host_init(host, conf, binds or {})
+            inner = host_init(host, conf, binds or {}, daemon)
             log = open(run_dir / f"sshd-{spec.name}.log", "wb")
             lab.procs[spec.name] = subprocess.Popen(
                 ["ip", "netns", "exec", node.netns, "unshare", "--pid", "--mount", "--fork", "--kill-child",
