@@ -263,17 +263,18 @@ async def drive(base_url: str, items: list[workloads.WorkItem], extras: list[dic
 def other_workloads(args, tok) -> dict[str, tuple[list[workloads.WorkItem], list[dict | None]]]:
     """multi_turn, multi_tenant (+ the template tenant) and the Mooncake trace, as work items."""
     q = args.quick
-    mt = workloads.multi_turn(sessions=4 if q else 8, turns=3, system_len=256, user_len=32, output_len=16,
+    mt = workloads.multi_turn(sessions=4 if q else 6, turns=3, system_len=256, user_len=32, output_len=16,
                               rate_per_s=0.5, think_s=4.0, seed=1, tenant=setup.BENCH_TENANT)
-    mix = workloads.multi_tenant(requests=24 if q else 48, rate_per_s=args.other_rate, output_len=16, seed=2)
-    titems, textras = template_items(8 if q else 16, args.other_rate / 3, 3, tok)
+    mix = workloads.multi_tenant(requests=24 if q else 32, rate_per_s=args.other_rate, output_len=16, seed=2)
+    titems, textras = template_items(8 if q else 12, args.other_rate / 3, 3, tok)
     merged = sorted([(w, None) for w in mix] + list(zip(titems, textras)), key=lambda p: p[0].at_s)
     trace = workloads.read_mooncake(Path(__file__).resolve().parent / "traces" / "mooncake_small.jsonl",
                                     workloads.TraceScale(tokens_per_hash=16, time_scale=args.trace_time_scale,
-                                                         max_requests=24 if q else 48, max_input_tokens=1024,
+                                                         max_requests=24 if q else 32, max_input_tokens=1024,
                                                          max_output_tokens=16), tenant=setup.BENCH_TENANT)
-    return {"multi_turn": (mt, [None] * len(mt)), "multi_tenant": ([w for w, _ in merged], [e for _, e in merged]),
+    all_ = {"multi_turn": (mt, [None] * len(mt)), "multi_tenant": ([w for w, _ in merged], [e for _, e in merged]),
             "mooncake_trace": (trace, [None] * len(trace))}
+    return {k: v for k, v in all_.items() if k in args.workloads}
 
 
 def hit_ratio(results: list[Result], oracle: list[int]) -> dict:
@@ -304,14 +305,17 @@ def parse_args(argv=None):
     ap.add_argument("--approx-all", action="store_true",
                     help="run every workload on kvmesh+approx (default: only the multi-tenant mix, the only one "
                          "with a template tenant; elsewhere kvmesh+approx is kvmesh)")
+    ap.add_argument("--workloads", default="multi_turn,multi_tenant,mooncake_trace",
+                    help="kvmesh-loadgen workloads to run after the shared-prefix sweep ('' for none)")
     ap.add_argument("--tag-prefix", default="kvc", help="prefix of the namespaces/links this run creates")
     ap.add_argument("--out", default=str(RESULTS / "cluster.json"))
     a = ap.parse_args(argv)
-    a.rates = [float(x) for x in (a.rates or ("0.5,1.5" if a.quick else "0.5,1.0,1.5,2.5")).split(",")]
-    a.stage_s = a.stage_s or (20 if a.quick else 40)
+    a.rates = [float(x) for x in (a.rates or ("0.5,1.5" if a.quick else "0.5,1.0,2.0")).split(",")]
+    a.stage_s = a.stage_s or (20 if a.quick else 30)
     a.groups = a.groups or (8 if a.quick else 12)
     a.users = a.users or max(4, int(max(a.rates) * a.stage_s / a.groups) + 1)
     a.configs = [c for c in a.configs.split(",") if c]
+    a.workloads = [w for w in a.workloads.split(",") if w]
     return a
 
 
@@ -372,11 +376,10 @@ def main(argv=None) -> dict:
                 log(f"cluster up in {up['up_s']:.0f}s ({up['nodes']} nodes)")
                 for name in args.configs:
                     try:
-                        doc["configs"][name] = run_config(cl, name, args, exe, mdir, tok, kv_bytes, others, grants,
-                                                          bar, log, doc)
+                        run_config(cl, name, args, exe, mdir, tok, kv_bytes, others, grants, bar, log, doc)
                     except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the others
                         log(f"{name} failed: {type(e).__name__}: {e}")
-                        doc["configs"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+                        doc["configs"].setdefault(name, {})["error"] = f"{type(e).__name__}: {e}"[:2000]
                         cl.shutdown_serve()
                     write(doc, out_json)
             finally:
@@ -394,6 +397,7 @@ def main(argv=None) -> dict:
 
 def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, grants, bar, log, doc) -> dict:
     res: dict = {"shared_prefix": [], "load_avg": {"start": load_avg()}}
+    doc["configs"][name] = res  # filled in as it runs: an interrupted run keeps what it measured
     approx_only = name == "kvmesh+approx" and not args.approx_all
     tenants = setup.tenants_file(name, grants, TEMPLATE)
     serve_cfg = setup.serve_config(name, host=cl.head.ip, port=PORT, workers=args.workers, kv_bytes=kv_bytes,
@@ -415,6 +419,7 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
                 res["shared_prefix"][-1]["kvmesh_metrics"] = decisions(metrics_delta(m0, m1))
                 m0 = m1
                 bar.update(1)
+                write(doc, Path(args.out))
         res["workloads"] = {}
         for wname, (items, extras) in others.items():
             if approx_only and wname != "multi_tenant":
