@@ -31,7 +31,7 @@ import ray
 
 from cluster.controller import ConfigMismatch, ControllerClient, ControllerClosing, Rejected
 from cluster.pool import PoolConfig, WorkerUnavailable
-from cluster.choices import Assembler, PromptInfo, TokenTexts, chunk_event, response
+from cluster.choices import Assembler, PromptInfo, TokenIds, TokenTexts, chunk_event, response
 from cluster.protocol import (DONE, ApiError, ChatRequest, CompletionRequest, DetokenizeBody, Served, TemplateBody,
                               TokenizeBody, error_event, openapi_body, parse_body)
 from engine.approx import ApproxConfig
@@ -600,8 +600,8 @@ class KvmeshIngress:
                 params=self._params(d), tenant=tenant.name, share_domain=self.tenants.share_domain(tenant.name),
                 reuse=reuse, read_domains=self.tenants.read_domains(tenant.name), remap_policy=tenant.remap_policy,
                 recompute_ratio=tenant.recompute_ratio, **approx))
-        asm = Assembler(chat, prompts, body.num_choices, n_engine, self.token_texts, logprobs=k, echo=echo,
-                        score_only=score_only)
+        texts = TokenIds() if body.return_tokens_as_token_ids else self.token_texts
+        asm = Assembler(chat, prompts, body.num_choices, n_engine, texts, logprobs=k, echo=echo, score_only=score_only)
         return rid, requests, asm
 
     async def _serve(self, req: HttpRequest, chat: bool):

@@ -48,6 +48,13 @@ class TokenTexts:
         return s
 
 
+class TokenIds:
+    """Token id → ``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids``)."""
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
 @dataclass
 class PromptInfo:
     """One prompt of the request: its ids and (for echo) text; ``logprobs`` arrive with the

@@ -79,7 +79,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "structural_tag": ("not implemented", ()),
     "structured_outputs": ("use response_format", ()),
     "logits_processors": ("custom logits processors are not accepted", ()),
-    "return_tokens_as_token_ids": ("not implemented", (False,)),
     "kv_transfer_params": ("kvmesh moves KV itself (see the kvmesh object)", ()),
     "vllm_xargs": ("not implemented", ()),
     "chat_template": ("the model's own chat template is always used", ()),
@@ -89,7 +88,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "priority": ("priority scheduling is not implemented", (0,)),
     "request_id": ("request ids are assigned by the server", ()),
     "prompt_logprobs": ("use echo with logprobs (completions)", ()),
-    "continuous_usage_stats": ("usage comes in the last chunk only", (False,)),
 }
 # Unsupported only on one endpoint (the other endpoint supports or does not know them).
 CHAT_ONLY_UNSUPPORTED = {"echo": ("echo is a completions option", (False,)),
@@ -158,6 +156,7 @@ class _Body(_Strict):
     repetition_penalty: Number | None = None  # vLLM extension
     logit_bias: dict[StrictStr, Number] | None = None  # token id (as a string) -> bias in [-100, 100]
     ignore_eos: StrictBool | None = False  # vLLM extension
+    return_tokens_as_token_ids: StrictBool | None = None  # vLLM extension: logprob tokens as "token_id:<id>"
     response_format: ResponseFormat | None = None  # (completions: vLLM extension)
     # harmless metadata, accepted and without effect
     user: StrictStr | None = None
