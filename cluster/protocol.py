@@ -310,7 +310,7 @@ class _ChatFields(_Body):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-_COMMON_UNSUPPORTED = [k for k in UNSUPPORTED if k not in ("prompt_logprobs",)]
+_COMMON_UNSUPPORTED = list(UNSUPPORTED)
 _CompletionUnsupported = create_model("_CompletionUnsupported", __base__=CompletionBody,
                                       **_unsupported_fields(_COMMON_UNSUPPORTED))
 _ChatUnsupported = create_model("_ChatUnsupported", __base__=_ChatFields,
