@@ -96,7 +96,9 @@ def completion_logprobs(entries, texts: TokenTexts, offset: int, top_k: int) -> 
             tops.append(None)
             continue
         token_lps.append(_lp(lp.logprob))
-        top = {texts(t): _lp(v) for t, v in tuple(lp.top)[:top_k]}
+        top: dict = {}
+        for t, v in tuple(lp.top)[:top_k]:  # best first: two ids with one text keep the better logprob
+            top.setdefault(texts(t), _lp(v))
         top.setdefault(s, _lp(lp.logprob))  # vLLM: the chosen token is always in the dict
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
