@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError,
-                      create_model)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictStr,
+                      ValidationError, create_model)
 
 
 class ApiError(Exception):
@@ -42,6 +42,27 @@ MAX_PROMPTS = 256  # prompts in one batched completion request
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI: 5 for completions, 20 for chat)
 
 Number = StrictFloat  # strict: accepts ints, rejects bools and strings
+
+
+def _num(ge=None, le=None, gt=None):
+    """A finite JSON number in a range (the engine checks the same ranges again)."""
+    return Annotated[float, Field(strict=True, ge=ge, le=le, gt=gt, allow_inf_nan=False)]
+
+
+def _integral(v):
+    """JSON Schema's integers include 1.0: take integral floats as ints (never bools or strings)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def _int(**constraints):
+    return Annotated[int, Field(strict=True, **constraints), BeforeValidator(_integral)]  # (this order keeps
+    # the constraints in the JSON schema)
+
+
+StrictInt = _int()
+TokenId = _int(ge=0)
+StopString = Annotated[str, Field(strict=True, min_length=1)]
+TokenIdKey = Annotated[str, Field(strict=True, pattern=r"^[0-9]{1,9}$")]
 
 # Fields of OpenAI's or vLLM's request bodies kvmesh does not implement: name -> (why, the values
 # that mean "off" and are accepted). None (JSON null) is always accepted: it means "absent".
@@ -94,8 +115,17 @@ CHAT_ONLY_UNSUPPORTED = {"echo": ("echo is a completions option", (False,)),
                          "best_of": ("best_of is a completions option", (1,))}
 
 
+def _same(a, b) -> bool:
+    """JSON equality: bools are not numbers, 1 == 1.0."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
 def _is_off(value, offs: tuple) -> bool:
-    return value is None or any(type(value) is type(o) and value == o for o in offs)
+    return value is None or any(_same(value, o) for o in offs)
 
 
 class _Strict(BaseModel):
@@ -140,21 +170,22 @@ class _Body(_Strict):
     """Fields shared by completions and chat (OpenAI names; vLLM's extensions where noted)."""
 
     model: StrictStr
-    max_tokens: Annotated[int, Field(strict=True, ge=0)] | None = None
-    temperature: Number | None = None
-    top_p: Number | None = None
-    top_k: StrictInt | None = None  # vLLM extension; 0 or -1 = off
-    min_p: Number | None = None  # vLLM extension
-    stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[StrictInt] | None = None  # vLLM extension
+    max_tokens: _int(ge=0) | None = None
+    temperature: _num(0, 2) | None = None
+    top_p: _num(gt=0, le=1) | None = None
+    top_k: _int(ge=-1) | None = None  # vLLM extension; 0 or -1 = off
+    min_p: _num(0, 1) | None = None  # vLLM extension
+    stop: StopString | Annotated[list[StopString], Field(max_length=4)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None  # vLLM extension
     seed: StrictInt | None = None  # choice i of a request uses seed + i
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(strict=True, ge=1, le=MAX_N)] | None = 1
-    presence_penalty: Number | None = None
-    frequency_penalty: Number | None = None
-    repetition_penalty: Number | None = None  # vLLM extension
-    logit_bias: dict[StrictStr, Number] | None = None  # token id (as a string) -> bias in [-100, 100]
+    n: _int(ge=1, le=MAX_N) | None = 1
+    presence_penalty: _num(-2, 2) | None = None
+    frequency_penalty: _num(-2, 2) | None = None
+    repetition_penalty: _num(gt=0, le=2) | None = None  # vLLM extension
+    logit_bias: Annotated[dict[TokenIdKey, _num(-100, 100)], Field(
+        max_length=1024, json_schema_extra={"additionalProperties": False})] | None = None  # token id -> bias
     ignore_eos: StrictBool | None = False  # vLLM extension
     return_tokens_as_token_ids: StrictBool | None = None  # vLLM extension: logprob tokens as "token_id:<id>"
     response_format: ResponseFormat | None = None  # (completions: vLLM extension)
@@ -182,10 +213,6 @@ class _Body(_Strict):
         """Cross-field rules the field types cannot say."""
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        if self.logit_bias is not None:
-            for k in self.logit_bias:
-                if not k.lstrip("-").isdigit():
-                    raise ApiError(400, f"logit_bias keys must be token ids, got {k!r}", param="logit_bias")
         rf = self.response_format
         if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
             raise ApiError(400, "response_format json_schema needs json_schema: {name, schema}",
@@ -206,8 +233,6 @@ class _Body(_Strict):
             d["top_k"] = 0 if self.top_k == -1 else self.top_k  # vLLM: -1 = off
         if self.stop:
             d["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        elif self.stop == "":
-            d["stop"] = ("",)  # the engine rejects empty stop strings
         if self.stop_token_ids:
             d["stop_token_ids"] = tuple(self.stop_token_ids)
         if self.logit_bias:
@@ -229,8 +254,8 @@ class CompletionBody(_Body):
         Annotated[list[StrictInt], Field(min_length=1)] | \
         Annotated[list[Annotated[list[StrictInt], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
     echo: StrictBool | None = False
-    logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
-    best_of: Annotated[int, Field(strict=True, ge=1, le=MAX_N)] | None = None
+    logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
+    best_of: _int(ge=1, le=MAX_N) | None = None
     add_special_tokens: StrictBool | None = True  # vLLM extension: BOS etc. for text prompts
 
     def prompts(self) -> list[str | list[int]]:
@@ -286,9 +311,9 @@ class ChatMessage(_Strict):
 
 class _ChatFields(_Body):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
+    max_completion_tokens: _int(ge=1) | None = None
     logprobs: StrictBool | None = False
-    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: _int(ge=0, le=MAX_LOGPROBS) | None = None
     add_generation_prompt: StrictBool | None = True  # vLLM extension
     continue_final_message: StrictBool | None = False  # vLLM extension
 
@@ -413,7 +438,8 @@ def parse_body(raw: bytes, cls: type[BaseModel]) -> BaseModel:
         if unknown:
             loc = ".".join(str(x) for x in unknown[0].get("loc", ()))
             raise ApiError(400, f"unknown field {loc!r}", param=loc, code="unknown_parameter") from None
-        err = errors[0]
+        # the most specific error: a union's "wrong type" for each member says least
+        err = next((x for x in errors if not x.get("type", "").endswith("_type")), errors[0])
         loc = ".".join(str(x) for x in err.get("loc", ()) if not _is_union_tag(x))
         raise ApiError(400, f"invalid field {loc!r}: {err.get('msg')}", param=loc or None) from None
     check = getattr(body, "check", None)
