@@ -89,6 +89,7 @@ class LLMEngine:
         self.tenant_metrics: dict[str, TenantMetrics] = {}
         self.num_steps = 0
         self.num_forward_tokens = 0  # tokens run through the model (prefill chunks + decodes)
+        self.sample_s = 0.0  # time in the batched sampler (masks, logprobs, appends) over all steps
         self.vocab_size = mcfg.vocab_size
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_ids)
         self._shadow_jobs: deque[ShadowJob] = deque()  # quality-gate checks of finished requests
@@ -164,16 +165,14 @@ class LLMEngine:
             return self._end_group(group, "abort")
         if not 0 <= index < group.n:
             return None
-        if index >= len(group.choices):  # not forked yet: create it finished, never run it
-            while len(group.choices) <= index:
-                self._new_choice(seq.request, group, len(group.choices)).status = SequenceStatus.FINISHED
-            target = group.choices[index]
-            target.finish_reason = "abort"
+        target = next((c for c in group.choices if c.index == index), None)
+        if target is None:  # not forked yet: it is created finished and never runs
+            target = self._new_choice(seq.request, group, index)
+            target.status, target.finish_reason = SequenceStatus.FINISHED, "abort"
             group.num_finished += 1
             if group.done:
                 self.seqs.pop(request_id, None)
             return self._output(target, [], "")
-        target = group.choices[index]
         if target.finished:
             return None
         return self._finish_choice(target, "abort", [], None)
@@ -259,7 +258,10 @@ class LLMEngine:
                     rows.append(i)
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-        return early + self._sample_and_append(logits, sampled_seqs)
+        t1 = time.perf_counter()
+        outs = self._sample_and_append(logits, sampled_seqs)
+        self.sample_s += time.perf_counter() - t1
+        return early + outs
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Choices 1..n-1 of ``parent``'s request (see engine/fork.py): the running ones, which
@@ -267,7 +269,8 @@ class LLMEngine:
         group = parent.group
         group.forked = True
         running = []
-        for i in range(len(group.choices), group.n):
+        made = {c.index for c in group.choices}  # a choice aborted before the fork exists, finished
+        for i in (i for i in range(1, group.n) if i not in made):
             child = self._new_choice(parent.request, group, i)
             child.arrival, child.prefill_s = parent.arrival, parent.prefill_s
             if fork(parent, child, self.kv, self.cache, self.scheduler, self.config.max_num_seqs):

@@ -69,7 +69,7 @@ def test_greedy_logprobs_equal_hf_log_softmax(default_model, default_engine):
 def test_logprobs_are_the_same_from_cache_recompute_and_pull(default_model, default_engine):
     eng = default_engine
     prompt = tuple(eng.encode("Summarize: the meeting covered the budget, two new hires and the office move. "
-                              "Everyone agreed on the budget and the hires."))
+                              "Everyone agreed on the budget and the hires. " * 2))
     assert len(prompt) > 32
     p = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
     eng.pool.reset_prefix_cache()
@@ -99,7 +99,7 @@ def test_logprobs_are_the_same_from_cache_recompute_and_pull(default_model, defa
 def test_prompt_logprobs_equal_hf_and_survive_a_cache_hit(default_model, default_engine):
     eng = default_engine  # max_num_batched_tokens=32: the prompt is computed in chunks
     prompt = tuple(eng.encode("Question: which planet is known as the red planet? Answer: Mars, the fourth "
-                              "planet from the sun, is known as the red planet."))
+                              "planet from the sun, is known as the red planet. It has two small moons, Phobos and Deimos."))
     assert len(prompt) > 40
     p = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
     ref = hf_logprobs(default_model.model, list(prompt))
@@ -375,3 +375,17 @@ def test_engine_validation_leaves_the_pool_untouched(tiny_model):
         with pytest.raises(InvalidRequest):
             eng.add_request(Request("x", (5, 6, 7), p))
         assert eng.pool.num_free_blocks() == free and not eng.seqs and not eng.has_unfinished()
+
+
+def test_aborting_a_choice_before_the_fork_skips_only_it(tiny_model):
+    eng = LLMEngine(TINY, loaded=tiny_model)
+    eng.add_request(Request("n", tuple(range(3, 43)), SamplingParams(max_tokens=3, temperature=0.0, n=4)))
+    out = eng.abort("n", index=2)
+    assert out.index == 2 and out.choice_finished and out.finish_reason == "abort" and not out.finished
+    res = []
+    while eng.has_unfinished():
+        res += eng.step()
+    got = choices(res)
+    assert sorted(got) == [0, 1, 3] and all(len(v) == 3 for v in got.values())
+    assert res[-1].finished and sum(o.finished for o in res) == 1
+    assert_pool_clean(eng)
