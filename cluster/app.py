@@ -158,8 +158,9 @@ class _Ctx:
 
     def __init__(self, ing: "KvmeshIngress", tenant: str, endpoint: str, rid: str, requests: list[Request],
                  chat: bool, leases: list, streams: list, firsts: list, asm: Assembler, include_usage: bool):
-        self.ing, self.tenant, self.endpoint, self.rid, self.requests, self.chat = ing, tenant, endpoint, rid, requests, chat
-        self.leases, self.streams, self.firsts, self.asm, self.include_usage = leases, streams, firsts, asm, include_usage
+        self.ing, self.tenant, self.endpoint, self.rid, self.requests = ing, tenant, endpoint, rid, requests
+        self.chat, self.leases, self.streams, self.firsts, self.asm = chat, leases, streams, firsts, asm
+        self.include_usage = include_usage
         self.model = ing.model_name
         self.created = int(time.time())
         self.lasts: list = [None] * len(requests)
@@ -480,7 +481,8 @@ class KvmeshIngress:
         tok = self.tokenizer
         info = {k: getattr(tok, k, None) for k in ("eos_token", "bos_token", "pad_token", "unk_token")}
         template = getattr(tok, "chat_template", None)
-        return {"tokenizer_class": type(tok).__name__, **{k: v if isinstance(v, str) else None for k, v in info.items()},
+        info = {k: v if isinstance(v, str) else None for k, v in info.items()}
+        return {"tokenizer_class": type(tok).__name__, **info,
                 "chat_template": template if isinstance(template, str) else None,
                 "model_max_length": self.max_model_len}
 
@@ -531,7 +533,8 @@ class KvmeshIngress:
                 try:
                     text = tok.decode(p, skip_special_tokens=True)
                 except Exception:  # noqa: BLE001 - ids out of range: the engine says so below
-                    raise ApiError(400, "prompt token ids must be valid token ids of the model", param="prompt") from None
+                    raise ApiError(400, "prompt token ids must be valid token ids of the model",
+                                   param="prompt") from None
             out.append(PromptInfo(list(p), text))
         return out
 

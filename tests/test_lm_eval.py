@@ -6,7 +6,9 @@ over batched token-id prompts) and a generation task (``generate_until``: batche
 prompts with ``stop`` and ``seed``). ``lm_eval --model local-completions`` runs as a real CLI, with
 its default tokenized requests and, since kvmesh serves ``/tokenizer_info`` + ``/tokenize``, its
 remote tokenizer. Its per-document loglikelihoods equal the ``hf`` backend's to 1e-3 and its
-scores exactly; a second run (prompts now in the prefix cache) gives the same scores.
+scores exactly; a second run gives the same scores with its generation prompts served from the
+prefix cache (scoring requests recompute their prompts: prompt logprobs need every position's
+logits, which a cache hit does not have).
 """
 
 import glob
@@ -14,16 +16,13 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import fields
 
 import pytest
 from test_http import client, server  # noqa: F401 - the served app fixture
 
-from engine.sequence import SamplingParams
-
 pytestmark = [pytest.mark.ray, pytest.mark.model]
-LOGPROBS = {"logprobs", "prompt_logprobs"} <= {f.name for f in fields(SamplingParams)}
 
+TASKS = ("kvmesh_mc", "kvmesh_gen")
 MC = [
     ("What colour is the sky on a clear day?", ["blue", "green", "red"], 0),
     ("How many legs does a spider have?", ["six", "eight", "four"], 1),
@@ -90,18 +89,28 @@ def _env(tmp):
     return env
 
 
-def _lm_eval_cli(base, tasks_dir, out, env, task) -> tuple[dict, list]:
-    """Run the lm_eval CLI against the server; (results, samples) of ``task``."""
+def _lm_eval_cli(base, tasks_dir, out, env) -> tuple[dict, dict]:
+    """Run the lm_eval CLI against the server on both tasks; (results, samples) per task."""
     cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions",
            "--model_args", f"model=default,base_url={base}/v1/completions,auth_token=sk-acme,max_retries=1,timeout=300",
-           "--tasks", task, "--include_path", str(tasks_dir), "--batch_size", "4",
+           "--tasks", ",".join(TASKS), "--include_path", str(tasks_dir), "--batch_size", "4",
            "--output_path", str(out), "--log_samples"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     assert "Using remote tokenizer" in p.stderr + p.stdout  # kvmesh's /tokenizer_info + /tokenize
     [res] = glob.glob(str(out / "**" / "results_*.json"), recursive=True)
-    [f] = glob.glob(str(out / "**" / f"samples_{task}_*.jsonl"), recursive=True)
-    return json.load(open(res))["results"][task], [json.loads(line) for line in open(f)]
+    samples = {}
+    for task in TASKS:
+        [f] = glob.glob(str(out / "**" / f"samples_{task}_*.jsonl"), recursive=True)
+        samples[task] = [json.loads(line) for line in open(f)]
+    return json.load(open(res))["results"], samples
+
+
+def _cached_tokens(base) -> float:
+    import httpx
+
+    text = httpx.get(f"{base}/metrics", timeout=60).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("kvmesh_cached_tokens_total{"))
 
 
 def _lls(samples) -> dict[int, list[float]]:
@@ -145,7 +154,7 @@ def hf_ref(tasks):
     try:
         _, model_dir = resolve_model_dir("default")
         out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={model_dir},dtype=float32,device=cpu",
-                                      tasks=["kvmesh_mc", "kvmesh_gen"], batch_size=1, log_samples=True,
+                                      tasks=list(TASKS), batch_size=1, log_samples=True,
                                       task_manager=TaskManager(include_path=str(tasks / "tasks")))
     finally:
         for k, v in saved.items():
@@ -156,31 +165,23 @@ def hf_ref(tasks):
     return out
 
 
-def _runs(smol_base, tasks, task):
-    env = _env(tasks)
-    return [_lm_eval_cli(smol_base, tasks / "tasks", tasks / f"out-{task}-{i}", env, task) for i in range(2)]
-
-
-@pytest.mark.skipif(not LOGPROBS, reason="the engine build lacks logprobs/prompt_logprobs (merge i12-engine)")
-def test_lm_eval_multiple_choice_equals_hf_backend_cold_and_warm(smol_base, tasks, hf_ref):
-    ref = _lls(hf_ref["samples"]["kvmesh_mc"])
-    assert len(ref) == len(MC)
-    worst = 0.0
-    for results, samples in _runs(smol_base, tasks, "kvmesh_mc"):  # the second run hits the prefix cache
-        lls = _lls(samples)
-        assert lls.keys() == ref.keys()
-        for doc in ref:
-            assert lls[doc] == pytest.approx(ref[doc], abs=1e-3), doc
-            worst = max(worst, *(abs(a - b) for a, b in zip(lls[doc], ref[doc])))
-        assert results["acc,none"] == hf_ref["results"]["kvmesh_mc"]["acc,none"]
-    print(f"lm-eval kvmesh_mc acc {results['acc,none']} (hf {hf_ref['results']['kvmesh_mc']['acc,none']}), "
-          f"max |loglikelihood - hf| {worst:.2e}")
-
-
-def test_lm_eval_generation_equals_hf_backend_cold_and_warm(smol_base, tasks, hf_ref):
-    ref = _gens(hf_ref["samples"]["kvmesh_gen"])
-    assert len(ref) == len(GEN)
-    for results, samples in _runs(smol_base, tasks, "kvmesh_gen"):
-        assert _gens(samples) == ref
-        assert results["exact_match,none"] == hf_ref["results"]["kvmesh_gen"]["exact_match,none"]
-    print(f"lm-eval kvmesh_gen exact_match {results['exact_match,none']} (hf: the same), generations {ref}")
+def test_lm_eval_local_completions_equals_hf_backend_cold_and_warm(smol_base, tasks, hf_ref):
+    ref_lls, ref_gens = _lls(hf_ref["samples"]["kvmesh_mc"]), _gens(hf_ref["samples"]["kvmesh_gen"])
+    assert len(ref_lls) == len(MC) and len(ref_gens) == len(GEN)
+    env, worst = _env(tasks), 0.0
+    for run in ("cold", "warm"):
+        before = _cached_tokens(smol_base)
+        results, samples = _lm_eval_cli(smol_base, tasks / "tasks", tasks / f"out-{run}", env)
+        if run == "warm":  # the generation prompts (few-shot prefix and all) come from the prefix cache
+            assert _cached_tokens(smol_base) - before >= 16 * len(GEN)
+        lls = _lls(samples["kvmesh_mc"])
+        assert lls.keys() == ref_lls.keys()
+        for doc in ref_lls:
+            assert lls[doc] == pytest.approx(ref_lls[doc], abs=1e-3), (run, doc)
+            worst = max(worst, *(abs(a - b) for a, b in zip(lls[doc], ref_lls[doc])))
+        assert results["kvmesh_mc"]["acc,none"] == hf_ref["results"]["kvmesh_mc"]["acc,none"], run
+        assert _gens(samples["kvmesh_gen"]) == ref_gens, run
+        assert results["kvmesh_gen"]["exact_match,none"] == hf_ref["results"]["kvmesh_gen"]["exact_match,none"], run
+    print(f"lm-eval kvmesh_mc acc {results['kvmesh_mc']['acc,none']:.4f} and kvmesh_gen exact_match "
+          f"{results['kvmesh_gen']['exact_match,none']:.4f}, both equal to the hf backend; "
+          f"max |loglikelihood - hf| {worst:.2e} over {len(MC)} docs x choices, cold and warm")

@@ -1,14 +1,11 @@
 """The OpenAI surface of issue 12 through the real ``openai`` client against a served app.
 
 Tiny random model (byte tokenizer) except the tests marked ``model`` (the default model: logprobs
-against HF ``forward``, ``json_schema`` outputs validated with jsonschema). Features the engine
-implements (n, logprobs, penalties, grammar...) are skipped, saying so, while the engine build
-lacks the matching ``SamplingParams`` field; the HTTP layer then answers them with a 400.
+against HF ``forward``, ``json_schema`` outputs validated with jsonschema).
 """
 
 import json
 import math
-from dataclasses import fields
 
 import jsonschema
 import openai
@@ -16,17 +13,10 @@ import pytest
 from test_http import TINY, _cached, client, http, server  # noqa: F401 - the served app fixture
 
 from cluster.protocol import CHAT_ONLY_UNSUPPORTED, UNSUPPORTED
-from engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.ray
-ENGINE = {f.name for f in fields(SamplingParams)}
 AUTH = {"Authorization": "Bearer sk-acme"}
 MSGS = [{"role": "user", "content": "Write one word."}]
-
-
-def needs(*names):
-    missing = sorted(set(names) - ENGINE)
-    return pytest.mark.skipif(bool(missing), reason=f"the engine build lacks {missing} (merge i12-engine)")
 
 
 def post(server, path, body, key="sk-acme"):
@@ -44,7 +34,8 @@ def test_openapi_describes_every_post_body_and_the_schema_matches_the_route(serv
         assert schema["additionalProperties"] is False and "$ref" not in json.dumps(schema), path
     comp = posts["/v1/completions"]["requestBody"]["content"]["application/json"]["schema"]
     chat = posts["/v1/chat/completions"]["requestBody"]["content"]["application/json"]["schema"]
-    assert {"prompt", "n", "best_of", "echo", "logprobs", "logit_bias", "stop_token_ids", "min_p"} <= set(comp["properties"])
+    assert {"prompt", "n", "best_of", "echo", "logprobs", "logit_bias", "stop_token_ids", "min_p"} <= \
+        set(comp["properties"])
     assert {"messages", "response_format", "top_logprobs", "max_completion_tokens"} <= set(chat["properties"])
     # what the schema accepts the route accepts, what it rejects the route rejects (400)
     ok = {"model": TINY, "prompt": ["a", "b"], "max_tokens": 2, "stop": ["x"], "user": "u", "store": False}
@@ -144,13 +135,6 @@ def test_unknown_fields_are_400s_and_metadata_is_accepted(server):
     assert e.value.body["param"] == "top_logprobs"
 
 
-@pytest.mark.skipif("n" in ENGINE, reason="the engine has n: tested below")
-def test_engine_features_missing_from_the_build_are_400s_naming_the_field(server):
-    for field, body in (("n", {"n": 2}), ("logprobs", {"logprobs": 1}), ("logit_bias", {"logit_bias": {"3": 1}})):
-        r = post(server, "/v1/completions", {"model": TINY, "prompt": "x", **body})
-        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
-
-
 # -- sampling fields ----------------------------------------------------------------------------
 PROMPT = "Batch me, sample me, score me: "
 
@@ -189,14 +173,12 @@ def test_stop_strings_and_stop_token_ids(server):
                and base[i].isprintable())  # its first occurrence is at i
     r = _greedy(c, max_tokens=16, stop=["\x00never", base[cut]])
     assert r.choices[0].text == base[:cut] and r.choices[0].finish_reason == "stop"
-    if "stop_token_ids" in ENGINE:
-        tid = base[cut].encode()[0] + 3
-        r = _greedy(c, max_tokens=16, extra_body={"stop_token_ids": [tid]})
-        assert r.choices[0].finish_reason == "stop" and base.startswith(r.choices[0].text)
-        assert len(r.choices[0].text) <= cut + 1
+    tid = base[cut].encode()[0] + 3
+    r = _greedy(c, max_tokens=16, extra_body={"stop_token_ids": [tid]})
+    assert r.choices[0].finish_reason == "stop" and base.startswith(r.choices[0].text)
+    assert len(r.choices[0].text) <= cut + 1
 
 
-@needs("n", "seed")
 def test_n_with_seed_reproduces_and_choice_i_uses_seed_plus_i(server):
     c = client(server)
     kw = dict(model=TINY, prompt=PROMPT, max_tokens=10, temperature=1.0)
@@ -215,7 +197,6 @@ def test_n_with_seed_reproduces_and_choice_i_uses_seed_plus_i(server):
     assert [ch.index for ch in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8
 
 
-@needs("n", "logprobs")
 def test_best_of_picks_by_cumulative_logprob_and_cannot_stream(server):
     c = client(server)
     kw = dict(model=TINY, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=11)
@@ -229,7 +210,6 @@ def test_best_of_picks_by_cumulative_logprob_and_cannot_stream(server):
     assert e.value.body["param"] == "best_of"
 
 
-@needs("logprobs")
 def test_completion_logprobs_shape_greedy_and_streaming_equal(server):
     c = client(server)
     r = _greedy(c, logprobs=3)
@@ -247,7 +227,6 @@ def test_completion_logprobs_shape_greedy_and_streaming_equal(server):
     assert streamed == pytest.approx(lp.token_logprobs, abs=1e-5)
 
 
-@needs("logprobs", "prompt_logprobs")
 def test_echo_with_logprobs_scores_the_prompt_consistently_with_generation(server):
     c = client(server)
     gen = _greedy(c, logprobs=1, max_tokens=8, extra_body=IDS)
@@ -270,17 +249,15 @@ def test_echo_with_logprobs_scores_the_prompt_consistently_with_generation(serve
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == e.choices[0].text
 
 
-@needs("logit_bias")
 def test_logit_bias_forces_and_bans_tokens(server):
     c = client(server)
     z = ord("z") + 3
     r = _greedy(c, max_tokens=5, logit_bias={str(z): 100})
     assert r.choices[0].text == "zzzzz"
-    if "logprobs" in ENGINE:
-        first = _ids(_greedy(c, max_tokens=1, logprobs=0, extra_body=IDS).choices[0].logprobs)[0]
-        banned = _ids(_greedy(c, max_tokens=1, logprobs=0, extra_body=IDS, logit_bias={str(first): -100})
-                      .choices[0].logprobs)[0]
-        assert banned != first
+    first = _ids(_greedy(c, max_tokens=1, logprobs=0, extra_body=IDS).choices[0].logprobs)[0]
+    banned = _ids(_greedy(c, max_tokens=1, logprobs=0, extra_body=IDS, logit_bias={str(first): -100})
+                  .choices[0].logprobs)[0]
+    assert banned != first
     with pytest.raises(openai.BadRequestError) as e:
         _greedy(c, logit_bias={"not-a-token": 1})
     assert e.value.body["param"] == "logit_bias"
@@ -288,7 +265,6 @@ def test_logit_bias_forces_and_bans_tokens(server):
         _greedy(c, logit_bias={"99999999": 1})  # out of the vocabulary
 
 
-@needs("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 def test_penalties_reach_the_engine_and_min_p_one_is_greedy(server):
     c = client(server)
     prompts = ["aaaa aaaa aaaa", "abcabcabcabc", PROMPT]
@@ -305,7 +281,6 @@ def test_penalties_reach_the_engine_and_min_p_one_is_greedy(server):
     assert sampled.choices[0].text == _greedy(c).choices[0].text  # only the most likely token survives
 
 
-@needs("logprobs")
 def test_chat_logprobs_top_logprobs_max_completion_tokens_stream(server):
     c = client(server)
     kw = dict(model=TINY, messages=MSGS, temperature=0, logprobs=True, top_logprobs=3, max_completion_tokens=6)
@@ -338,7 +313,6 @@ def smol(server):
 
 
 @pytest.mark.model
-@needs("logprobs", "prompt_logprobs")
 def test_greedy_logprobs_equal_hf_log_softmax(smol, default_model):
     import torch
 
@@ -369,7 +343,6 @@ SCHEMAS = [
 
 
 @pytest.mark.model
-@needs("grammar")
 @pytest.mark.parametrize("i", range(len(SCHEMAS)))
 def test_json_schema_outputs_validate(smol, i):
     schema = SCHEMAS[i]
@@ -386,7 +359,6 @@ def test_json_schema_outputs_validate(smol, i):
 
 
 @pytest.mark.model
-@needs("grammar")
 def test_json_object_and_completions_response_format(smol):
     r = smol.chat.completions.create(model="default", messages=[{"role": "user", "content": "Give a JSON object."}],
                                      response_format={"type": "json_object"}, max_tokens=80, temperature=0)
