@@ -175,7 +175,7 @@ BAD = [
     ("empty stop", "/v1/completions", {"model": TINY, "prompt": "x", "stop": ""}, 400),
     ("stop wrong type", "/v1/completions", {"model": TINY, "prompt": "x", "stop": 7}, 400),
     ("temperature", "/v1/completions", {"model": TINY, "prompt": "x", "temperature": 9}, 400),
-    ("n", "/v1/completions", {"model": TINY, "prompt": "x", "n": 2}, 400),
+    ("n too large", "/v1/completions", {"model": TINY, "prompt": "x", "n": 65}, 400),
     ("bad reuse", "/v1/completions", {"model": TINY, "prompt": "x", "kvmesh": {"reuse": "maybe"}}, 400),
     ("empty prompt", "/v1/completions", {"model": TINY, "prompt": ""}, 400),
     ("no messages", "/v1/chat/completions", {"model": TINY, "messages": []}, 400),
