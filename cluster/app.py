@@ -277,15 +277,20 @@ def _as_api_error(e: BaseException) -> ApiError:
 @serve.ingress(app)
 class KvmeshIngress:
     async def __init__(self, settings: dict, tenants_data: dict):
-        self.settings = s = AppSettings(**settings)
-        self.tenants = Tenants.from_dict(tenants_data)
-        self.model_name, self.tokenizer = load_tokenizer(s.model)
-        self.metrics = Metrics(self.tenants.names())
+        s = AppSettings(**settings)
+        tenants = Tenants.from_dict(tenants_data)
         # One controller per app, shared by all ingress replicas (the first one creates it).
         app_name = serve.get_replica_context().app_name
-        self.pool = ControllerClient(app_name, pool_config(s, self.tenants, app_name), tenants_data, s.client_ttl_s)
-        await self.pool.connect()
-        info = await self.pool.wait_ready(s.ready_timeout_s)
+        pool = ControllerClient(app_name, pool_config(s, tenants, app_name), tenants_data, s.client_ttl_s)
+        await pool.connect()
+        self._setup(s, tenants, pool, await pool.wait_ready(s.ready_timeout_s))
+
+    def _setup(self, s: AppSettings, tenants: Tenants, pool, info: dict) -> None:
+        """The replica's state, given its controller client ``pool`` and a ready worker's
+        ``info`` (also used by in-process tests with a stand-in pool)."""
+        self.settings, self.tenants, self.pool = s, tenants, pool
+        self.model_name, self.tokenizer = load_tokenizer(s.model)
+        self.metrics = Metrics(self.tenants.names())
         self.max_model_len = int(info["max_model_len"])
         self.vocab_size = int(info.get("vocab_size") or _vocab_size(self.tokenizer))
         self.limits = InputLimits.derive(self.max_model_len, self.tokenizer, s.max_body_bytes)

@@ -4,7 +4,8 @@
 ``BadJson`` (the ingress answers 400; an over-long body is refused before parsing, 413):
 
 * nesting deeper than ``MAX_DEPTH`` (the C parser would raise RecursionError, a 500 before);
-* the non-standard literals ``NaN``, ``Infinity``, ``-Infinity`` (Python accepts them);
+* the non-standard literals ``NaN``, ``Infinity``, ``-Infinity`` (Python accepts them) and
+  numbers that overflow a float (``1e400`` would become infinity);
 * strings (values or keys) that are not valid Unicode text, i.e. hold a lone surrogate such as
   ``"\\udc80"``: they cannot be encoded as UTF-8, which breaks tokenizers and hashing later;
 * integers with more digits than Python converts (ValueError) and invalid UTF-8 bytes.
@@ -28,9 +29,16 @@ def _no_constant(name: str):
     raise BadJson(f"{name} is not valid JSON")
 
 
+def _finite(text: str) -> float:
+    x = float(text)
+    if x in (float("inf"), float("-inf")):
+        raise BadJson(f"the number {text[:24]} is out of range")
+    return x
+
+
 def loads(raw: bytes | str) -> object:
     try:
-        data = json.loads(raw, parse_constant=_no_constant)
+        data = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
     except BadJson:
         raise
     except RecursionError:
