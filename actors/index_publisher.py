@@ -247,7 +247,7 @@ class IndexPublisher:
         try:
             reply = await asyncio.wait_for(self.send(payload, snapshot is not None), self.timeout_s)
         except Exception as e:  # timeout, index dead or restarting: resync next time
-            log.debug("index publish failed: %r", e)
+            log.debug("index publish failed: %s", type(e).__name__)
             self.stats["failures"] += 1
             self.need_snapshot = True
             return False

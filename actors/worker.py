@@ -17,6 +17,7 @@ import numpy as np
 import ray
 
 from engine.async_engine import AsyncEngine, EngineDead
+from engine.redact import describe_exc
 from engine.kv_cache import KVBlocks
 from engine.llm_engine import EngineConfig
 from engine.sequence import Request, RequestOutput
@@ -122,7 +123,7 @@ class Worker:
         try:
             want = await self.engine.call(lambda e: e.needed_slot_class(request))
         except Exception as e:  # noqa: BLE001 - e.g. a malformed request: generate reports it
-            log.debug("donor need of %s failed: %r", request.request_id, e)
+            log.debug("donor need of %s failed: %s", request.request_id, describe_exc(e))
             return False
         offers = [p for p in donor_pulls if p.slot_class == want and p.holder_id != self.worker_id]
         if want is None or not offers:
@@ -144,7 +145,7 @@ class Worker:
                              p.holder_id, time.perf_counter() - t0)
                     return True
             except Exception as e:  # noqa: BLE001 - any failure: run without this donor
-                log.warning("donor pull of %s from %s failed: %r", p.slot_id[:12], p.holder_id, e)
+                log.warning("donor pull of %s from %s failed: %s", p.slot_id[:12], p.holder_id, describe_exc(e))
             self.donor_stats["failed"] += 1
         return False
 
@@ -215,8 +216,8 @@ class Worker:
                         got["imported"] += await pending_import[0]
                     except Exception:  # noqa: BLE001 - that import failed: nothing landed
                         pass
-                log.warning("pull of blocks %d-%d from %s failed after %d tokens: %r", p.start_block, p.end_block,
-                            p.holder_node, got["imported"], e)
+                log.warning("pull of blocks %d-%d from %s failed after %d tokens: %s", p.start_block, p.end_block,
+                            p.holder_node, got["imported"], describe_exc(e))
             finally:
                 for chunk in ahead:  # requested but not consumed: stop waiting; mark errors as seen
                     if chunk.done() and not chunk.cancelled():
@@ -260,7 +261,7 @@ class Worker:
                 await asyncio.wait_for(_await(handle.probe_payload.remote(nbytes)), self.pull_timeout_s)
                 seconds = time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001 - a failed probe only loses a sample
-                log.debug("probe of %s failed: %r", node, e)
+                log.debug("probe of %s failed: %s", node, describe_exc(e))
                 continue
             out[node] = (rtt, seconds)
             if self.router is not None:

@@ -39,7 +39,7 @@ from engine.approx import ApproxConfig
 from engine.async_engine import EngineDead, EngineStepFailed
 from engine.fault_isolation import RequestFailed
 from engine.llm_engine import EngineConfig, check_sampling_limits
-from engine.redact import redact
+from engine.redact import describe_exc, redact
 from engine.sequence import InvalidRequest, Request, SamplingParams
 from policies.autoscale import AutoscaleConfig
 from policies.tenancy import TenantConfig, Tenants, read_tenants_file, tenants_path
@@ -269,7 +269,7 @@ def _as_api_error(e: BaseException) -> ApiError:
         log.error("kvmesh replica refused by its controller: %s", e)
         return ApiError(503, f"this replica cannot attach to the kvmesh controller: {e}", type_="server_error",
                         code="controller_unavailable")
-    log.error("request failed: %s", redact(repr(e), 300))
+    log.error("request failed: %s", describe_exc(e, traceback=True))
     return ApiError(500, f"internal error: {type(e).__name__}", type_="server_error", code="internal_error")
 
 

@@ -23,6 +23,7 @@ from typing import AsyncIterator, Callable
 
 from engine.llm_engine import EngineBroken, EngineConfig, LLMEngine
 from engine.model_loader import LoadedModel
+from engine.redact import describe_exc
 from engine.sequence import InvalidRequest, Request, RequestOutput
 
 
@@ -112,17 +113,17 @@ class AsyncEngine:
                     self._deliver_exc(rid, err)
         except BaseException as e:  # noqa: BLE001 - surfaced to every waiter and every later call
             self._error = e
-            log.error("engine loop died: %r", e, exc_info=e)
+            log.error("engine loop died: %s", describe_exc(e, traceback=True))
             for rid in list(self._streams):
-                self._deliver_exc(rid, EngineDead(f"engine loop died: {e!r}"))
+                self._deliver_exc(rid, EngineDead(f"engine loop died: {describe_exc(e)}"))
             self._fail_pending()
 
     def _recover(self, err: BaseException) -> bool:
         """After a step raised ``err`` without naming a request: abort every request in flight
         (their streams get ``EngineStepFailed``) and report whether the pool's accounting is exact
         with nothing in use, i.e. whether the engine may go on."""
-        log.warning("engine step failed (%s): ending the %d requests in flight", type(err).__name__,
-                    len(self.engine.seqs), exc_info=err)
+        log.warning("engine step failed: ending the %d requests in flight: %s", len(self.engine.seqs),
+                    describe_exc(err, traceback=True))
         try:
             for rid in list(self.engine.seqs):
                 self.engine.abort(rid)
@@ -133,7 +134,7 @@ class AsyncEngine:
             self.engine.pool.check_invariants()
             ok = self.engine.pool.num_in_use() == 0 and not self.engine.scheduler.has_unfinished()
         except Exception as e:  # noqa: BLE001 - cannot even clean up: the loop dies
-            log.error("engine recovery failed: %r", e)
+            log.error("engine recovery failed: %s", describe_exc(e, traceback=True))
             return False
         self.step_failures += ok
         return ok

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.approx import ApproxConfig, ApproxReuse, ShadowJob
+from engine.redact import describe_exc
 from engine.fault_isolation import RequestFailed, forward_isolating, per_item
 from engine.block_pool import BlockHash, BlockPool, prompt_chains
 from engine.kv_cache import KVBlocks, PagedKVCache, token_slots
@@ -224,7 +226,7 @@ class LLMEngine:
         """End ``seq`` with an error of its own (its blocks freed); the step goes on for others.
         ``take_failed`` hands the error to whoever streams the request."""
         logging.getLogger(__name__).warning("request %s failed in %s: %s", seq.request_id, where,
-                                            type(err).__name__, exc_info=err)
+                                            describe_exc(err, traceback=True))
         if self.seqs.pop(seq.request_id, None) is not None or seq in self.scheduler.running \
                 or seq in self.scheduler.waiting:
             self.scheduler.remove(seq)
@@ -240,7 +242,7 @@ class LLMEngine:
             return True
         except Exception as e:  # noqa: BLE001 - an optional extra never fails the request or the step
             self.optional_failures[where] = self.optional_failures.get(where, 0) + 1
-            logging.getLogger(__name__).warning("%s for request %s failed: %r", where, seq.request_id, e)
+            logging.getLogger(__name__).warning("%s for request %s failed: %s", where, seq.request_id, describe_exc(e))
             return False
 
     def take_failed(self) -> list[tuple[str, RequestFailed]]:
@@ -283,8 +285,8 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001
                 seq.shadow = None
                 self.optional_failures["approximate"] = self.optional_failures.get("approximate", 0) + 1
-                logging.getLogger(__name__).warning("approximate reuse for %s failed, running it exactly: %r",
-                                                    seq.request_id, e)
+                logging.getLogger(__name__).warning("approximate reuse for %s failed, running it exactly: %s",
+                                                    seq.request_id, describe_exc(e, traceback=True))
                 continue
             dt = time.perf_counter() - t0
             self.scheduler.waiting.remove(seq)
@@ -325,7 +327,8 @@ class LLMEngine:
             self.approx.shadow_check(job)
         except Exception:  # noqa: BLE001 - best effort: a bug here must not kill the engine loop
             self.approx.stats["shadow_errors"] += 1
-            logging.getLogger(__name__).exception("quality-gate shadow check of %s failed", job.request.request_id)
+            logging.getLogger(__name__).error("quality-gate shadow check of %s failed: %s", job.request.request_id,
+                                              describe_exc(sys.exc_info()[1], traceback=True))
 
     def _queue_shadow(self, seq: Sequence) -> None:
         """Queue the quality-gate check of a finished shadowed request (bounded: oldest dropped)."""

@@ -23,3 +23,15 @@ def redact(value: object, limit: int = PREFIX_CHARS) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}…[+{len(text) - limit} chars]"
+
+
+def describe_exc(e: BaseException, traceback: bool = False) -> str:
+    """``Type: message`` of an exception with the message redacted (``repr(e)`` of e.g. a
+    UnicodeEncodeError holds the whole string it failed on), optionally followed by the
+    traceback's frames (file, line, source: code, never data)."""
+    import traceback as tb
+
+    out = f"{type(e).__name__}: {redact(str(e), 200)}"
+    if traceback and e.__traceback__ is not None:
+        out += "\n" + "".join(tb.format_tb(e.__traceback__)).rstrip()
+    return out
