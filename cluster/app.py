@@ -29,15 +29,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.metrics import CONTENT_TYPE_LATEST, Metrics
 import ray
 
-from cluster import safe_json
 from cluster.controller import ConfigMismatch, ControllerClient, ControllerClosing, Rejected, TemplateQuotaExceeded
 from cluster.input_limits import ENCODE_INLINE_CHARS, InputLimits, _vocab_size, check_template, read_body
 from cluster.pool import PoolConfig, WorkerUnavailable
-from cluster.protocol import (DONE, ApiError, ChatBody, CompletionBody, Served, chunk, completion_response,
-                              error_event, parse_body, usage)
+from cluster.choices import Assembler, PromptInfo, TokenIds, TokenTexts, chunk_event, response
+from cluster.protocol import (DONE, ApiError, ChatRequest, CompletionRequest, DetokenizeBody, Served, TemplateBody,
+                              TokenizeBody, error_event, openapi_body, parse_body)
 from engine.approx import ApproxConfig
 from engine.async_engine import EngineDead, EngineStepFailed
-from engine.fault_isolation import RequestFailed
 from engine.llm_engine import EngineConfig, check_sampling_limits
 from engine.redact import describe_exc, redact
 from engine.sequence import InvalidRequest, Request, SamplingParams
@@ -158,79 +157,182 @@ def _bearer(req: HttpRequest) -> str | None:
 
 
 class _Ctx:
-    """One admitted request being answered; closes its stream (ending the lease) exactly once."""
+    """One admitted HTTP request being answered: one engine request (stream) per prompt, merged
+    into one response; closes every stream (ending its lease) exactly once."""
 
-    def __init__(self, ing: "KvmeshIngress", tenant: str, endpoint: str, request: Request, chat: bool, worker: str,
-                 route: str, stream, first, include_usage: bool):
-        self.ing, self.tenant, self.endpoint, self.request, self.chat = ing, tenant, endpoint, request, chat
-        self.worker, self.route, self.stream, self.first, self.include_usage = worker, route, stream, first, include_usage
+    def __init__(self, ing: "KvmeshIngress", tenant: str, endpoint: str, rid: str, requests: list[Request],
+                 chat: bool, leases: list, streams: list, firsts: list, asm: Assembler, include_usage: bool):
+        self.ing, self.tenant, self.endpoint, self.rid, self.requests = ing, tenant, endpoint, rid, requests
+        self.chat, self.leases, self.streams, self.firsts, self.asm = chat, leases, streams, firsts, asm
+        self.include_usage = include_usage
         self.model = ing.model_name
         self.created = int(time.time())
+        self.lasts: list = [None] * len(requests)
 
-    def _served(self, out) -> Served:
+    def _served(self, p: int, out) -> Served:
+        worker, route = self.leases[p]
         approx = getattr(out, "num_approx_tokens", 0)
-        return Served(worker=self.worker, route=out.route or self.route,
+        return Served(worker=worker, route=out.route or route,
                       exact_cached_tokens=out.num_cached_tokens - approx, approx_cached_tokens=approx,
-                      pulled_tokens=out.pulled_tokens, reuse=self.request.reuse)
+                      pulled_tokens=out.pulled_tokens, reuse=self.requests[p].reuse)
 
-    def _done(self, out, code: int) -> None:
+    def _kvmesh(self) -> dict:
+        """The response's ``kvmesh`` object: the serving of its one prompt, or ``{"prompts": [...]}``."""
+        served = [self._served(p, out).as_dict() for p, out in enumerate(self.lasts) if out is not None]
+        return served[0] if len(self.requests) == 1 and served else {"prompts": served}
+
+    def _done(self, code: int) -> None:
         m = self.ing.metrics
         m.requests.labels(tenant=self.tenant, endpoint=self.endpoint, code=str(code)).inc()
-        if out is not None:
-            m.observe_finished(self.tenant, out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens,
-                               out.route, out.pulled_tokens)
+        if code == 200:
+            for out in self.lasts:
+                if out is not None:
+                    m.observe_finished(self.tenant, out.num_prompt_tokens, out.num_cached_tokens,
+                                       out.num_output_tokens, out.route, out.pulled_tokens)
 
-    async def _outputs(self):
-        yield self.first
-        if not self.first.finished:
-            async for _, _, out in self.stream:
+    async def _outputs(self, p: int):
+        yield self.firsts[p]
+        if not self.firsts[p].finished:
+            async for _, _, out in self.streams[p]:
                 yield out
 
-    async def whole(self):
-        text, last, code = [], None, 200
+    async def _merged(self):
+        """(prompt index, output) of every stream, as they come (one stream: no task needed)."""
+        if len(self.streams) == 1:
+            async for out in self._outputs(0):
+                yield 0, out
+            return
+        q: asyncio.Queue = asyncio.Queue()
+        end = object()
+
+        async def pump(p: int):
+            try:
+                async for out in self._outputs(p):
+                    await q.put((p, out, None))
+            except Exception as e:  # noqa: BLE001 - handed to the consumer
+                await q.put((p, None, e))
+            await q.put((p, None, end))
+
+        tasks = [asyncio.get_running_loop().create_task(pump(p)) for p in range(len(self.streams))]
         try:
-            async for out in self._outputs():
-                text.append(out.new_text)
-                last = out
-        except Exception as e:  # noqa: BLE001
-            code = _as_api_error(e).status
-            raise _as_api_error(e) from None
+            left = len(tasks)
+            while left:
+                p, out, e = await q.get()
+                if e is end:
+                    left -= 1
+                elif e is not None:
+                    raise e
+                else:
+                    yield p, out
         finally:
-            await self.stream.aclose()
-            self._done(last if code == 200 else None, code)
-        use = usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-        return completion_response(self.request.request_id, self.model, "".join(text), last.finish_reason, use,
-                                   self._served(last), self.chat)
+            await _cancel(tasks)
+
+    async def _close(self) -> None:
+        for s in self.streams:
+            await s.aclose()
+
+    async def whole(self):
+        code = 200
+
+        async def drain(p: int):
+            async for out in self._outputs(p):
+                self.lasts[p] = out
+                self.asm.add(p, out)
+
+        try:
+            await _all([drain(p) for p in range(len(self.streams))])
+        except Exception as e:  # noqa: BLE001
+            err = _as_api_error(e)
+            code = err.status
+            raise err from None
+        finally:
+            await self._close()
+            self._done(code)
+        return response(self.rid, self.model, self.chat, self.asm.final_choices(), self.asm.usage(), self._kvmesh())
 
     async def sse(self):
-        rid, last, code = self.request.request_id, None, 200
+        rid, code, asm, merged = self.rid, 200, self.asm, None
+
+        def event(choices, use=None, kvmesh=None):
+            return chunk_event(rid, self.model, self.created, self.chat, choices, use, kvmesh)
+
         try:
             if self.chat:
-                yield chunk(rid, self.model, self.created, True, text="", role=True)
-            async for out in self._outputs():
-                last = out
-                if out.finished:
-                    use = usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
-                    yield chunk(rid, self.model, self.created, self.chat, text=out.new_text,
-                                finish_reason=out.finish_reason, served=self._served(out),
-                                use=None if self.include_usage else use)
-                    if self.include_usage:
-                        yield chunk(rid, self.model, self.created, self.chat, use=use, no_choices=True,
-                                    served=self._served(out))
-                elif out.new_text:
-                    yield chunk(rid, self.model, self.created, self.chat, text=out.new_text)
+                for d in asm.role_deltas():
+                    yield event([d])
+            merged = self._merged()
+            async for p, out in merged:
+                self.lasts[p] = out
+                for d in asm.add(p, out):
+                    if d["finish_reason"] is None:
+                        yield event([d])
+                        continue
+                    last = all(asm.finished) and all(c.finish_reason for c in asm.choices.values())
+                    use = asm.usage() if last and not self.include_usage else None
+                    yield event([d], use, self._served(p, out).as_dict())
+            if self.include_usage:
+                yield event([], asm.usage(), self._kvmesh())
             yield DONE
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band
             err = _as_api_error(e)
             code = err.status
             yield error_event(err)
             yield DONE
-        except BaseException:  # client disconnected (cancelled): the finally below frees the request
+        except BaseException:  # client disconnected (cancelled): the finally below frees the requests
             code = 499
             raise
         finally:
-            await self.stream.aclose()
-            self._done(last if code == 200 else None, code)
+            if merged is not None:
+                await merged.aclose()  # stops its pump tasks before their streams are closed
+            await self._close()
+            self._done(code)
+
+
+async def _first(stream):
+    return await stream.__anext__()
+
+
+# SamplingParams field -> the HTTP field that asks for it (for "not supported by this engine").
+_ENGINE_PARAM = {"grammar": "response_format", "prompt_logprobs": "echo", "n": "n"}
+
+
+def _grammar_spec():
+    try:
+        from engine.sequence import GrammarSpec
+    except ImportError:
+        from engine.grammar import GrammarSpec
+    return GrammarSpec
+
+
+async def _cancel(tasks) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _all(coros) -> list:
+    """Run ``coros`` concurrently; the first failure cancels the others (awaited) and is raised."""
+    tasks = [asyncio.get_running_loop().create_task(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        await _cancel([t for t in tasks if not t.done()])
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("kvmesh")
+    except Exception:  # noqa: BLE001 - not installed (run from a checkout)
+        return "0.1.0"
+
+
+def _vocab_size(tok) -> int:
+    try:
+        return max(len(tok), int(getattr(tok, "vocab_size", 0)))
+    except TypeError:  # no __len__ (the byte tokenizer)
+        return int(tok.vocab_size)
 
 
 def _last_line(e: BaseException) -> str:
@@ -250,8 +352,6 @@ def _as_api_error(e: BaseException) -> ApiError:
     if isinstance(e, InvalidRequest):
         msg = str(e).splitlines()[-1] if str(e) else "invalid request"
         return ApiError(400, msg.split("InvalidRequest: ")[-1])
-    if isinstance(e, RequestFailed):
-        return ApiError(500, _last_line(e), type_="server_error", code="request_failed")
     if isinstance(e, (EngineStepFailed, EngineDead)):
         return ApiError(503, f"the worker's engine failed; retry the request ({_last_line(e)[:200]})",
                         type_="server_error", code="engine_failed")
@@ -290,6 +390,7 @@ class KvmeshIngress:
         ``info`` (also used by in-process tests with a stand-in pool)."""
         self.settings, self.tenants, self.pool = s, tenants, pool
         self.model_name, self.tokenizer = load_tokenizer(s.model)
+        self.token_texts = TokenTexts(self.tokenizer)
         self.metrics = Metrics(self.tenants.names())
         self.max_model_len = int(info["max_model_len"])
         self.vocab_size = int(info.get("vocab_size") or _vocab_size(self.tokenizer))
@@ -341,7 +442,7 @@ class KvmeshIngress:
         self._auth(req)
         return await self._ask("workers_view")
 
-    @app.post("/v1/templates")
+    @app.post("/v1/templates", openapi_extra=openapi_body(TemplateBody))
     async def register_template(self, req: HttpRequest):
         """Register ``{"id": ..., "template": "text with {param}"}`` for the caller's tenant
         (kept by the controller for every replica; the text travels with each request, so workers
@@ -349,13 +450,8 @@ class KvmeshIngress:
         from policies.remap import Template
 
         tenant = self._auth(req)
-        try:
-            body = safe_json.loads(await read_body(req, self.limits.max_body_bytes))
-        except safe_json.BadJson as e:
-            raise ApiError(400, str(e)) from None
-        tid, text = (body.get("id"), body.get("template")) if isinstance(body, dict) else (None, None)
-        if not (isinstance(tid, str) and tid and isinstance(text, str) and text):
-            raise ApiError(400, 'expected {"id": "<template id>", "template": "text with {param} spans"}')
+        body = parse_body(await read_body(req, self.limits.max_body_bytes), TemplateBody)
+        tid, text = body.id, body.template
         check_template(tid, text)
         params = list(Template.parse(tid, text).params)
         await self._ask("register_template", tenant.name, tid, text)
@@ -367,12 +463,61 @@ class KvmeshIngress:
             raise ApiError(400, f"unknown template {tid!r} for tenant {tenant.name!r}", param="kvmesh.template")
         return text
 
+    # -- tokenizer (vLLM's routes) --------------------------------------------------------------
+    @app.get("/version")
+    async def version(self):
+        return {"version": _version()}
+
+    @app.post("/tokenize", openapi_extra=openapi_body(TokenizeBody))
+    async def tokenize(self, req: HttpRequest):
+        """``{prompt}`` or ``{messages}`` (chat template applied) → ``{count, max_model_len, tokens}``."""
+        self._auth(req)
+        body = parse_body(await read_body(req, self.limits.max_body_bytes), TokenizeBody)
+        self._check_model(body.model)
+        if body.messages is not None:
+            ids = self._chat_ids(body.messages, body.add_generation_prompt is not False,
+                                 bool(body.continue_final_message), bool(body.add_special_tokens))
+        else:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            self.limits.check_chars(len(body.prompt), self.max_model_len, "prompt")
+            ids = await self._encode(body.prompt, add_special_tokens=special)
+        strs = [self.token_texts(t) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeBody))
+    async def detokenize(self, req: HttpRequest):
+        """``{tokens}`` → ``{prompt}`` (special tokens kept, as vLLM)."""
+        self._auth(req)
+        body = parse_body(await read_body(req, self.limits.max_body_bytes), DetokenizeBody)
+        self._check_model(body.model)
+        vocab = _vocab_size(self.tokenizer)
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token ids must be in [0, {vocab}), got {bad[0]}", param="tokens")
+        try:
+            text = self.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        except TypeError:
+            text = self.tokenizer.decode(body.tokens)
+        return {"prompt": text}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(self, req: HttpRequest):
+        """The tokenizer's special tokens and chat template (vLLM's route; lm-eval's remote tokenizer)."""
+        self._auth(req)
+        tok = self.tokenizer
+        info = {k: getattr(tok, k, None) for k in ("eos_token", "bos_token", "pad_token", "unk_token")}
+        template = getattr(tok, "chat_template", None)
+        info = {k: v if isinstance(v, str) else None for k, v in info.items()}
+        return {"tokenizer_class": type(tok).__name__, **info,
+                "chat_template": template if isinstance(template, str) else None,
+                "model_max_length": self.max_model_len}
+
     # -- completions ---------------------------------------------------------------------------
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(self, req: HttpRequest):
         return await self._serve(req, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatRequest))
     async def chat_completions(self, req: HttpRequest):
         return await self._serve(req, chat=True)
 
@@ -383,69 +528,134 @@ class KvmeshIngress:
                            code="invalid_api_key")
         return tenant
 
-    async def _prompt_ids(self, body, chat: bool) -> list[int]:
-        """The prompt's token ids. Text longer than the context could hold in any tokenization is
-        refused before tokenizing (``InputLimits.max_prompt_chars``); long text is tokenized on a
-        thread, never on the event loop; token-id prompts must lie in the vocabulary."""
-        tok = self.tokenizer
-        param = "messages" if chat else "prompt"
-        if chat:
-            msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-            self.limits.check_chars(sum(len(m["content"]) for m in msgs), self.max_model_len, param)
-            try:
-                text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-            except Exception as e:  # noqa: BLE001 - template errors are the client's messages
-                raise ApiError(400, f"cannot apply the chat template: {redact(str(e))}", param="messages") from None
-            return await self._encode(text, add_special_tokens=False)
-        p = body.prompt
-        if isinstance(p, list) and p and isinstance(p[0], int):
-            bad = next((t for t in p if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise ApiError(400, f"prompt token ids must be integers in [0, {self.vocab_size}); got "
-                               f"{redact(bad, 24)}", param="prompt")
-            return list(p)
-        text = p[0] if isinstance(p, list) and p else p if isinstance(p, str) else ""
-        self.limits.check_chars(len(text), self.max_model_len, param)
-        return await self._encode(text, add_special_tokens=True)
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model_name, "default"):
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           code="model_not_found", param="model")
+
+    def _chat_text(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+        """The chat template applied to ``messages``; text longer than any context could hold is
+        refused first (``InputLimits.check_chars``)."""
+        msgs = [{"role": m.role, "content": m.text()} for m in messages]
+        self.limits.check_chars(sum(len(m["content"]) for m in msgs), self.max_model_len, "messages")
+        kw = {"continue_final_message": True} if continue_final_message else {}
+        try:
+            return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **kw)
+        except Exception as e:  # noqa: BLE001 - template errors are the client's messages
+            raise ApiError(400, f"cannot apply the chat template: {redact(str(e), 200)}", param="messages") from None
+
+    def _chat_ids(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                  add_special_tokens: bool = False) -> list[int]:
+        text = self._chat_text(messages, add_generation_prompt, continue_final_message)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text``; long text is tokenized on a thread, never on the event loop."""
         if len(text) <= ENCODE_INLINE_CHARS:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         return list(await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens))
 
-    async def _build(self, tenant: TenantConfig, body, chat: bool) -> Request:
-        if body.model not in (self.model_name, "default"):
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           code="model_not_found", param="model")
-        ids = await self._prompt_ids(body, chat)
-        n = len(ids)
-        if n == 0:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        if n >= self.max_model_len:
-            raise ApiError(400, f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens",
-                           code="context_length_exceeded", param="messages" if chat else "prompt")
-        requested = body.requested_max_tokens() if chat else body.max_tokens
-        if requested is None:
-            requested = min(self.settings.default_chat_max_tokens, self.max_model_len - n) if chat else 16
-        elif requested > 0 and n + requested > self.max_model_len:
-            raise ApiError(400, f"prompt ({n} tokens) + max_tokens ({requested}) exceeds the context of "
-                           f"{self.max_model_len} tokens", code="context_length_exceeded", param="max_tokens")
+    def _check_ids(self, ids, param: str = "prompt") -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt token ids must be integers in [0, {self.vocab_size}); got {redact(bad, 24)}",
+                           param=param)
+
+    async def _prompts(self, body, chat: bool) -> list[PromptInfo]:
+        """The request's prompts as token ids (+ their text, for echo). Text is bounded before
+        tokenizing and tokenized off the event loop when long; token ids must be in the vocabulary."""
+        if chat:
+            text = self._chat_text(body.messages, body.add_generation_prompt is not False,
+                                   bool(body.continue_final_message))
+            return [PromptInfo(await self._encode(text, add_special_tokens=False), "")]
+        tok, out = self.tokenizer, []
+        for p in body.prompts():
+            if isinstance(p, str):
+                self.limits.check_chars(len(p), self.max_model_len, "prompt")
+                out.append(PromptInfo(await self._encode(p, add_special_tokens=body.add_special_tokens is not False), p))
+                continue
+            self._check_ids(p)
+            text = ""
+            if body.echo:
+                try:
+                    text = tok.decode(p, skip_special_tokens=True)
+                except Exception:  # noqa: BLE001 - ids out of range: the engine says so below
+                    raise ApiError(400, "prompt token ids must be valid token ids of the model",
+                                   param="prompt") from None
+            out.append(PromptInfo(list(p), text))
+        return out
+
+    def _params(self, d: dict) -> SamplingParams:
+        """SamplingParams from ``d``; a field this engine build lacks is a 400 naming the HTTP field."""
+        known = {f.name for f in fields(SamplingParams)}
+        for k in d:
+            if k not in known:
+                param = _ENGINE_PARAM.get(k, k)
+                raise ApiError(400, f"{param} is not supported by this kvmesh engine build", param=param,
+                               code="unsupported_parameter")
+        if "grammar" in d:
+            kind, schema = d["grammar"]
+            d = {**d, "grammar": _grammar_spec()(kind=kind, schema=schema)}
         try:
-            params = SamplingParams(**body.sampling(requested))
+            params = SamplingParams(**d)
             check_sampling_limits(params)
+            return params
         except InvalidRequest as e:
             raise ApiError(400, redact(str(e), 300)) from None
+
+    async def _build(self, tenant: TenantConfig, body, chat: bool) -> tuple[str, list[Request], Assembler]:
+        """(response id, one engine Request per prompt, the Assembler that formats their outputs)."""
+        self._check_model(body.model)
+        prompts = await self._prompts(body, chat)
+        param = "messages" if chat else "prompt"
+        requested = body.requested_max_tokens() if chat else body.max_tokens
+        echo = bool(not chat and body.echo)
+        score_only = echo and requested == 0
+        n_engine = body.num_choices if chat else body.engine_n
+        k = body.num_logprobs if chat else body.logprobs
         reuse = (body.kvmesh.reuse if body.kvmesh and body.kvmesh.reuse else None) or tenant.reuse
         prefix = "chatcmpl" if chat else "cmpl"
+        rid = f"{prefix}-{uuid.uuid4().hex}"
         tid = body.kvmesh.template if body.kvmesh else None
         approx = {}
         if tid is not None:
             approx = {"template": tid, "template_text": await self._template(tenant, tid),
                       "template_params": dict(body.kvmesh.params or {})}
-        return Request(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_ids=tuple(ids), params=params,
-                       tenant=tenant.name, share_domain=self.tenants.share_domain(tenant.name), reuse=reuse,
-                       read_domains=self.tenants.read_domains(tenant.name), remap_policy=tenant.remap_policy,
-                       recompute_ratio=tenant.recompute_ratio, **approx)
+        requests = []
+        for i, info in enumerate(prompts):
+            n = len(info.ids)
+            where = f"prompt[{i}]" if len(prompts) > 1 else "the prompt"
+            if n == 0:
+                raise ApiError(400, f"{where} is empty", param=param)
+            if n >= self.max_model_len:
+                raise ApiError(400, f"{where} has {n} tokens; this model's context is {self.max_model_len} tokens",
+                               code="context_length_exceeded", param=param)
+            max_tokens = requested
+            if max_tokens is None:
+                max_tokens = min(self.settings.default_chat_max_tokens, self.max_model_len - n) if chat else 16
+            elif score_only:
+                max_tokens = 1  # the engine generates >= 1 token; the answer drops it
+            elif n + max_tokens > self.max_model_len:
+                raise ApiError(400, f"{where} ({n} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+                               f"{self.max_model_len} tokens", code="context_length_exceeded", param="max_tokens")
+            d = body.sampling(max_tokens)
+            if n_engine > 1:
+                d["n"] = n_engine
+            if k is not None:
+                d["logprobs"] = k
+            elif n_engine > body.num_choices:
+                d["logprobs"] = 0  # best_of ranks by cumulative logprob (not returned)
+            if echo and k is not None:
+                d["prompt_logprobs"] = k
+            requests.append(Request(
+                request_id=rid if len(prompts) == 1 else f"{rid}-{i}", prompt_ids=tuple(info.ids),
+                params=self._params(d), tenant=tenant.name, share_domain=self.tenants.share_domain(tenant.name),
+                reuse=reuse, read_domains=self.tenants.read_domains(tenant.name), remap_policy=tenant.remap_policy,
+                recompute_ratio=tenant.recompute_ratio, **approx))
+        texts = TokenIds() if body.return_tokens_as_token_ids else self.token_texts
+        asm = Assembler(chat, prompts, body.num_choices, n_engine, texts, logprobs=k, echo=echo, score_only=score_only)
+        return rid, requests, asm
 
     async def _serve(self, req: HttpRequest, chat: bool):
         endpoint = "chat" if chat else "completions"
@@ -453,18 +663,20 @@ class KvmeshIngress:
         try:
             tenant = self._auth(req)
             tenant_name = tenant.name
-            body = parse_body(await read_body(req, self.limits.max_body_bytes), ChatBody if chat else CompletionBody)
-            request = await self._build(tenant, body, chat)
+            body = parse_body(await read_body(req, self.limits.max_body_bytes), ChatRequest if chat else CompletionRequest)
+            rid, requests, asm = await self._build(tenant, body, chat)
         except Exception as e:  # noqa: BLE001 - counted, and always an OpenAI error body
             err = _as_api_error(e)
             self.metrics.requests.labels(tenant=tenant_name, endpoint=endpoint, code=str(err.status)).inc()
             raise err from None
         t0 = time.perf_counter()
-        stream = self.pool.generate(request)  # admission + routing by the controller, then the worker's stream
+        # admission + routing by the controller, then the worker's stream; all prompts at once
+        streams = [self.pool.generate(r) for r in requests]
         try:
-            ws, choice, first = await stream.__anext__()  # errors before the first token → 4xx/5xx
+            firsts = await _all([_first(s) for s in streams])  # errors before the first token → 4xx/5xx
         except BaseException as e:
-            await stream.aclose()
+            for s in streams:
+                await s.aclose()
             if isinstance(e, Rejected):
                 self.metrics.rejected.labels(tenant=tenant.name, reason=e.reason).inc()
                 e = ApiError(429, f"tenant {tenant.name!r} is over its {e.reason} limit; retry later",
@@ -477,9 +689,10 @@ class KvmeshIngress:
             self.metrics.requests.labels(tenant=tenant.name, endpoint=endpoint, code=str(err.status)).inc()
             raise err from None
         self.metrics.ttft.labels(tenant=tenant.name).observe(time.perf_counter() - t0)
-        ctx = _Ctx(self, tenant.name, endpoint, request, chat, ws.worker_id, choice.route, stream, first,
-                   body.stream_options.include_usage if body.stream_options else False)
-        if body.stream:
+        leases = [(ws.worker_id, choice.route) for ws, choice, _ in firsts]
+        ctx = _Ctx(self, tenant.name, endpoint, rid, requests, chat, leases, streams, [first for _, _, first in firsts],
+                   asm, body.include_usage)
+        if body.is_stream:
             return StreamingResponse(ctx.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await ctx.whole()

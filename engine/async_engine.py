@@ -4,8 +4,8 @@ Torch work releases the GIL, so one engine thread keeps an event loop (a Ray act
 web server's) responsive. All engine calls happen on the engine thread; callers only post
 commands and read per-request queues, so the engine needs no locks.
 
-Failures: a request that fails alone inside a step (``LLMEngine.take_failed``) gets its error
-on its stream; the loop goes on. A step that raises without naming a request fails every
+Failures: a request that fails alone inside a step gets its last output with ``error`` set
+(``LLMEngine._fail``); the loop goes on. A step that raises without naming a request fails every
 request in flight (they are aborted, freeing their blocks) and the loop goes on only if the
 block pool's accounting then checks out exact with nothing in use; otherwise, or when the step
 keeps failing (``EngineBroken``), the loop dies. A dead loop is final and visible: ``alive`` is
@@ -109,8 +109,6 @@ class AsyncEngine:
                 failures = 0
                 for out in outs:
                     self._deliver(out)
-                for rid, err in self.engine.take_failed():
-                    self._deliver_exc(rid, err)
         except BaseException as e:  # noqa: BLE001 - surfaced to every waiter and every later call
             self._error = e
             log.error("engine loop died: %s", describe_exc(e, traceback=True))
@@ -129,8 +127,6 @@ class AsyncEngine:
                 self.engine.abort(rid)
                 self._deliver_exc(rid, EngineStepFailed(
                     f"an engine step failed ({type(err).__name__}); the request was ended, retry it"))
-            for rid, e in self.engine.take_failed():
-                self._deliver_exc(rid, e)
             self.engine.pool.check_invariants()
             ok = self.engine.pool.num_in_use() == 0 and not self.engine.scheduler.has_unfinished()
         except Exception as e:  # noqa: BLE001 - cannot even clean up: the loop dies

@@ -16,17 +16,11 @@ the engine loop (see ``engine.async_engine``: the worker then reports itself unh
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Sequence
 
 import torch
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-class RequestFailed(RuntimeError):
-    """This request (alone) failed inside an engine step; the engine went on. The message says
-    where (never the prompt)."""
 
 
 def forward_isolating(forward: Callable[[list], torch.Tensor], chunks: list, wants: Sequence[bool]
@@ -51,21 +45,3 @@ def forward_isolating(forward: Callable[[list], torch.Tensor], chunks: list, wan
         return out
     rows = iter(logits)
     return [next(rows) if want else None for want in wants]
-
-
-def per_item(batched: Callable[[list[int]], list[T]], n: int) -> list[T | BaseException]:
-    """``batched(indices)`` over all ``n`` items at once; on failure item by item, each failure
-    returned in its place."""
-    if n == 0:
-        return []
-    try:
-        return list(batched(list(range(n))))
-    except Exception as batch_error:  # noqa: BLE001 - find the culprit(s)
-        log.warning("batched call over %d requests failed (%s): retrying one by one", n, type(batch_error).__name__)
-        out: list[T | BaseException] = []
-        for i in range(n):
-            try:
-                out.append(batched([i])[0])
-            except Exception as e:  # noqa: BLE001
-                out.append(e)
-        return out

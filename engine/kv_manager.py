@@ -47,8 +47,10 @@ class KVManager:
         """Longest run of cached blocks matching the sequence's leading tokens (not yet touched).
 
         At most (len - 1) // block_size blocks, so at least one token is computed for logits.
+        None while the sequence still needs its prompt logprobs (cached positions have no
+        logits): it computes its whole prompt, and its blocks are registered as usual.
         """
-        if not self._caching(seq):
+        if not self._caching(seq) or (seq.prompt_lp is not None and not seq.prompt_lp_sent):
             return []
         req = seq.request
         # A waiting request is matched again every step until admitted: hash its tokens once.

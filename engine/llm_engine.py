@@ -12,16 +12,20 @@ import torch
 
 from engine.approx import ApproxConfig, ApproxReuse, ShadowJob
 from engine.redact import describe_exc
-from engine.fault_isolation import RequestFailed, forward_isolating, per_item
+from engine.fault_isolation import forward_isolating
 from engine.block_pool import BlockHash, BlockPool, prompt_chains
 from engine.kv_cache import KVBlocks, PagedKVCache, token_slots
 from engine.kv_manager import KVManager
 from engine.model_loader import LoadedModel, load_model
+from engine.fork import fork
+from engine.grammar import GrammarCache
+from engine.logprobs import reduce_prompt_logprobs
 from engine.model_runner import ModelRunner, build_batch
-from engine.sampler import sample
+from engine.sampler import SampleResult, SampleRow, sample, sample_isolated
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.slot_pool import DonorPayload
-from engine.sequence import REUSE_MODES, InvalidRequest, Request, RequestOutput, Sequence, SequenceStatus
+from engine.sequence import (REUSE_MODES, InvalidRequest, Request, RequestOutput, SeqGroup, Sequence,
+                             SequenceStatus, TokenLogprob)
 from engine.tokenizer import IncrementalDetokenizer
 from policies.eviction import TenantEvictionPolicy, TenantQuota
 
@@ -94,8 +98,11 @@ class LLMEngine:
                        if config.approx is not None and config.device == "cpu" else None)
         self.tenant_metrics: dict[str, TenantMetrics] = {}
         self.num_steps = 0
+        self.num_forward_tokens = 0  # tokens run through the model (prefill chunks + decodes)
+        self.sample_s = 0.0  # time in the batched sampler (masks, logprobs, appends) over all steps
+        self.vocab_size = mcfg.vocab_size
+        self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_ids)
         self._shadow_jobs: deque[ShadowJob] = deque()  # quality-gate checks of finished requests
-        self._failed: list[tuple[str, RequestFailed]] = []  # requests that failed alone (take_failed)
         self._failed_steps = 0  # consecutive steps in which every request failed
         self.num_failed = 0
         self.optional_failures: dict[str, int] = {}  # donations/approximate builds skipped on an error
@@ -139,23 +146,70 @@ class LLMEngine:
         if request.reuse not in REUSE_MODES:
             raise InvalidRequest(f"reuse must be one of {REUSE_MODES}, got {request.reuse!r}")
         check_approx_fields(request)
+        p = request.params
+        bad = [t for t, _ in p.logit_bias if t >= vocab] + [t for t in p.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidRequest(f"token ids {sorted(set(bad))[:8]} in logit_bias/stop_token_ids are outside the "
+                                 f"vocabulary [0, {vocab})")
+        if p.grammar is not None:
+            self.grammars.compile(p.grammar)  # InvalidRequest if it cannot compile; cached
+
+    def _new_choice(self, request: Request, group: SeqGroup, index: int) -> Sequence:
+        p = request.params
+        seq = Sequence(request=request, tokens=list(request.prompt_ids), num_prompt=len(request.prompt_ids),
+                       index=index, group=group)
+        if p.seed is not None:
+            seq.generator = torch.Generator().manual_seed(p.seed + index)
+        seq.detok = IncrementalDetokenizer(self.tokenizer)
+        if p.grammar is not None:
+            seq.matcher = self.grammars.matcher(p.grammar)
+        group.choices.append(seq)
+        return seq
 
     def add_request(self, request: Request) -> None:
         self.validate(request)
-        seq = Sequence(request=request, tokens=list(request.prompt_ids), num_prompt=len(request.prompt_ids))
-        if request.params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(request.params.seed)
-        seq.detok = IncrementalDetokenizer(self.tokenizer)
+        group = SeqGroup(request.params.n)
+        seq = self._new_choice(request, group, 0)
+        if request.params.prompt_logprobs is not None:
+            seq.prompt_lp = [None] * seq.num_prompt
         self.seqs[request.request_id] = seq
         self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        seq = self.seqs.pop(request_id, None)
+    def abort(self, request_id: str, index: int | None = None) -> RequestOutput | None:
+        """Abort a request (every choice), or only its choice ``index``; releases their blocks.
+        Returns the aborted choice's last output (``finished`` when no choice is left)."""
+        seq = self.seqs.get(request_id)
         if seq is None:
             return None
-        self.scheduler.remove(seq)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-        return self._output(seq, [], "")
+        group = seq.group
+        if index is None:
+            return self._end_group(group, "abort")
+        if not 0 <= index < group.n:
+            return None
+        target = next((c for c in group.choices if c.index == index), None)
+        if target is None:  # not forked yet: it is created finished and never runs
+            target = self._new_choice(seq.request, group, index)
+            target.status, target.finish_reason = SequenceStatus.FINISHED, "abort"
+            group.num_finished += 1
+            if group.done:
+                self.seqs.pop(request_id, None)
+            return self._output(target, [], "")
+        if target.finished:
+            return None
+        return self._finish_choice(target, "abort", [], None)
+
+    def _end_group(self, group: SeqGroup, reason: str, error: str | None = None) -> RequestOutput:
+        """Finish every unfinished choice of a request at once (abort, error); one output."""
+        last = None
+        for c in group.choices:
+            if not c.finished:
+                self.scheduler.remove(c)
+                c.status, c.finish_reason = SequenceStatus.FINISHED, reason
+                last = c
+        group.num_finished = group.n
+        first = group.choices[0]
+        self.seqs.pop(first.request_id, None)
+        return self._output(last or first, [], "", error=error)
 
     def has_unfinished(self) -> bool:
         """Requests in flight, or quality-gate shadow checks still to run (one per step)."""
@@ -170,20 +224,42 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return early
-        chunks = []
+        chunks, plp = [], []  # plp: (seq, first position, count, first batch row) of prompt-logprob rows
+        row = 0
         for seq, n in scheduled:
             start = seq.num_computed
             want = start + n == len(seq.tokens)
             chunks.append((seq.tokens[start : start + n], start, want, [b.block_id for b in seq.blocks]))
+            if seq.prompt_lp is not None and not seq.prompt_lp_sent:
+                cnt = min(start + n, seq.num_prompt - 1) - start  # row at position p predicts token p + 1
+                if cnt > 0:
+                    plp.append((seq, start, cnt, row))
+            row += n
         t0 = time.perf_counter()
-        rows = forward_isolating(lambda cs: self.runner.forward(build_batch(cs, self.config.block_size, self.config.device)),
-                                 chunks, [want for _, _, want, _ in chunks])
+        wants = [want for _, _, want, _ in chunks]
+        if plp:  # prompt logprobs need the hidden rows too: one batched call (a failure fails the step)
+            batch = build_batch(chunks, self.config.block_size, self.config.device)
+            hrows = torch.tensor([r + i for _, _, c, r in plp for i in range(c)], dtype=torch.long,
+                                 device=batch.input_ids.device)
+            logits, hidden = self.runner.forward(batch, hrows)
+            off = 0
+            for seq, start, cnt, _ in plp:
+                lps = reduce_prompt_logprobs(self.runner.model.lm_head, hidden[off : off + cnt],
+                                             seq.tokens[start + 1 : start + 1 + cnt], seq.params.prompt_logprobs)
+                seq.prompt_lp[start + 1 : start + 1 + cnt] = lps
+                off += cnt
+            it = iter(logits)
+            rows = [next(it) if w else None for w in wants]
+        else:  # a chunk whose forward fails alone fails its request alone (engine/fault_isolation.py)
+            rows = forward_isolating(
+                lambda cs: self.runner.forward(build_batch(cs, self.config.block_size, self.config.device)),
+                chunks, wants)
         dt = time.perf_counter() - t0
         total = sum(n for _, n in scheduled)
         self.num_steps += 1
-        failed = [(seq, row) for (seq, _), row in zip(scheduled, rows) if isinstance(row, BaseException)]
-        for seq, err in failed:
-            self._fail(seq, "forward", err)
+        self.num_forward_tokens += total
+        failed = [(seq, r) for (seq, _), r in zip(scheduled, rows) if isinstance(r, BaseException)]
+        errors = [self._fail(seq, "forward", err) for seq, err in failed]
         for seq, n in scheduled:
             if seq.first_token_at is None:
                 seq.prefill_s += dt * n / total
@@ -206,34 +282,33 @@ class LLMEngine:
                 seq.shadow_argmax.append(int(logits[i].argmax()))
                 if seq.shadow_first_logits is None:
                     seq.shadow_first_logits = logits[i].float().clone()
-        tokens = per_item(lambda ix: sample(logits[ix], [sampled_seqs[i].params for i in ix],
-                                            [sampled_seqs[i].generator for i in ix]), len(sampled_seqs))
-        outs = []
-        for seq, tok in zip(sampled_seqs, tokens):
-            if isinstance(tok, BaseException):
-                self._fail(seq, "sampling", tok)
-                failed.append((seq, tok))
-            else:
-                outs.append(self._append(seq, tok))
-        self._failed_steps = self._failed_steps + 1 if failed and len(failed) == len(scheduled) else 0
+        rows = list(range(len(sampled_seqs)))
+        for i, seq in enumerate(list(sampled_seqs)):
+            if seq.group.n > 1 and not seq.group.forked and seq.num_output == 0:
+                for child in self._fork(seq):  # forked choices sample from the parent's row
+                    sampled_seqs.append(child)
+                    rows.append(i)
+        if logits is not None and len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        t1 = time.perf_counter()
+        outs = self._sample_and_append(logits, sampled_seqs) if sampled_seqs else []
+        self.sample_s += time.perf_counter() - t1
+        n_failed = len(failed) + sum(1 for o in outs if o.error)
+        self.num_failed += n_failed - len(failed)
+        self._failed_steps = self._failed_steps + 1 if n_failed and n_failed >= len(scheduled) else 0
         if self._failed_steps >= MAX_FAILED_STEPS:
-            raise EngineBroken(f"{self._failed_steps} steps in a row failed for every request in them "
-                               f"(last: {failed[-1][1]!r})")
-        return early + outs
+            raise EngineBroken(f"{self._failed_steps} steps in a row failed for every request in them")
+        return early + errors + outs
 
     # -- failures of one request (engine/fault_isolation.py) --------------------------------
-    def _fail(self, seq: Sequence, where: str, err: BaseException) -> None:
-        """End ``seq`` with an error of its own (its blocks freed); the step goes on for others.
-        ``take_failed`` hands the error to whoever streams the request."""
+    def _fail(self, seq: Sequence, where: str, err: BaseException) -> RequestOutput:
+        """End ``seq``'s request with an error of its own (its blocks freed); the step goes on
+        for the others. The returned output carries ``error`` (the ingress answers 500)."""
         logging.getLogger(__name__).warning("request %s failed in %s: %s", seq.request_id, where,
                                             describe_exc(err, traceback=True))
-        if self.seqs.pop(seq.request_id, None) is not None or seq in self.scheduler.running \
-                or seq in self.scheduler.waiting:
-            self.scheduler.remove(seq)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
         self.num_failed += 1
-        self._failed.append((seq.request_id, RequestFailed(
-            f"the request failed in the engine's {where} ({type(err).__name__}); other requests were not affected")))
+        return self._end_group(seq.group, "error", f"the request failed in the engine's {where} "
+                                                   f"({type(err).__name__}); other requests were not affected")
 
     def _guarded(self, seq: Sequence, where: str, fn) -> bool:
         """``fn(seq)`` for an optional extra (donation): a failure is logged and skipped."""
@@ -245,10 +320,52 @@ class LLMEngine:
             logging.getLogger(__name__).warning("%s for request %s failed: %s", where, seq.request_id, describe_exc(e))
             return False
 
-    def take_failed(self) -> list[tuple[str, RequestFailed]]:
-        """Requests that failed alone since the last call: (request id, error)."""
-        out, self._failed = self._failed, []
-        return out
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Choices 1..n-1 of ``parent``'s request (see engine/fork.py): the running ones, which
+        sample now; those without room wait in the queue over the prompt."""
+        group = parent.group
+        group.forked = True
+        running = []
+        made = {c.index for c in group.choices}  # a choice aborted before the fork exists, finished
+        for i in (i for i in range(1, group.n) if i not in made):
+            child = self._new_choice(parent.request, group, i)
+            child.arrival, child.prefill_s = parent.arrival, parent.prefill_s
+            if fork(parent, child, self.kv, self.cache, self.scheduler, self.config.max_num_seqs):
+                running.append(child)
+            else:
+                self.scheduler.add(child)
+        return running
+
+    def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Sample one token for each of ``seqs`` (row i of ``logits``) in one batched call and
+        append it. A row whose sampling fails ends its request with ``error``; others go on."""
+        rows = [SampleRow(s.params, s.generator, s.tokens if s.params.penalized else None, s.num_prompt)
+                for s in seqs]
+        gram = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
+        try:
+            mask = self.grammars.mask_fn(gram, logits.device)
+            res: SampleResult = sample(logits, rows, mask)
+        except Exception:  # noqa: BLE001 - isolate the failing row(s); the step goes on
+            logging.getLogger(__name__).warning("batched sampling failed (%s); sampling row by row",
+                                                describe_exc(sys.exc_info()[1]))
+
+            def mask_row(i):
+                m = seqs[i].matcher
+                return None if m is None else self.grammars.mask_fn([(0, m)], logits.device)
+
+            res = sample_isolated(logits, rows, mask_row)
+        outs = []
+        for seq, tok, lp, err in zip(seqs, res.tokens, res.logprobs, res.errors):
+            if seq.finished or seq.group.done:  # its request ended earlier in this loop (error)
+                continue
+            if err is None and seq.matcher is not None and not seq.matcher.accept_token(tok):
+                err = f"the grammar rejected token {tok}"
+            if err is not None:
+                logging.getLogger(__name__).warning("request %s failed: %s", seq.request_id, err)
+                outs.append(self._end_group(seq.group, "error", err))
+            else:
+                outs.append(self._append(seq, tok, lp))
+        return outs
 
     # -- approximate reuse (engine/approx.py) -----------------------------------------------
     def _admit_approximate(self) -> list[RequestOutput]:
@@ -259,7 +376,8 @@ class LLMEngine:
         Each request is tried once; one that finds no donor or no room runs exactly."""
         outs = []
         bs = self.config.block_size
-        for seq in [s for s in self.scheduler.waiting if s.request.reuse == "approximate" and not s.approx_tried]:
+        for seq in [s for s in self.scheduler.waiting if s.request.reuse == "approximate" and not s.approx_tried
+                    and s.group.n == 1 and s.prompt_lp is None]:  # those run exactly
             seq.approx_tried = True
             if seq.num_output or len(self.scheduler.running) >= self.config.max_num_seqs:
                 continue
@@ -304,11 +422,7 @@ class LLMEngine:
             seq.prefill_s = dt
             seq.status = SequenceStatus.RUNNING
             self.scheduler.running.append(seq)
-            tok = per_item(lambda ix: sample(res.logits[None], [seq.params], [seq.generator]), 1)[0]
-            if isinstance(tok, BaseException):
-                self._fail(seq, "sampling", tok)
-            else:
-                outs.append(self._append(seq, tok))
+            outs.extend(self._sample_and_append(res.logits[None].float(), [seq]))
         return outs
 
     def _donate(self, seq: Sequence) -> None:
@@ -364,40 +478,51 @@ class LLMEngine:
         """The template slot class a pulled donor would give ``request`` (None: needs none)."""
         return None if self.approx is None else self.approx.needed_slot_class(request)
 
-    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+    def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None = None) -> RequestOutput:
         now = time.perf_counter()
         if seq.first_token_at is None:
             seq.first_token_at = now
-            m = self.tenant_metrics.setdefault(seq.request.tenant, TenantMetrics())
-            m.requests += 1
-            m.prompt_tokens += seq.num_prompt
-            m.cached_tokens += seq.num_cached
+            if seq.index == 0:
+                m = self.tenant_metrics.setdefault(seq.request.tenant, TenantMetrics())
+                m.requests += 1
+                m.prompt_tokens += seq.num_prompt
+                m.cached_tokens += seq.num_cached
         seq.tokens.append(token)
+        if lp is not None:
+            seq.cumulative_logprob += lp.logprob
         p = seq.params
         reason = None
-        delta = ""
-        if token in self.eos_ids and not p.ignore_eos:
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
         else:
             seq.text += seq.detok.add(token)
         if reason is None and p.stop:
             reason = self._check_stop(seq)
+        if reason is None and seq.matcher is not None and seq.matcher.is_terminated():
+            reason = "stop"
         if reason is None and (seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len):
             reason = "length"
         if reason is not None:
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-            self.seqs.pop(seq.request_id, None)
-            self.scheduler.remove(seq)
-            self.tenant_metrics[seq.request.tenant].output_tokens += seq.num_output
-            delta = seq.text[seq.emitted_chars :]
-            if seq.shadow is not None:
-                self._queue_shadow(seq)
-        else:
-            # hold back a tail that could still become a stop string
-            hold = self._stop_prefix_len(seq)
-            delta = seq.text[seq.emitted_chars : len(seq.text) - hold]
+            return self._finish_choice(seq, reason, [token], lp)
+        # hold back a tail that could still become a stop string
+        hold = self._stop_prefix_len(seq)
+        delta = seq.text[seq.emitted_chars : len(seq.text) - hold]
         seq.emitted_chars += len(delta)
-        return self._output(seq, [token], delta)
+        return self._output(seq, [token], delta, lp)
+
+    def _finish_choice(self, seq: Sequence, reason: str, new_ids: list[int], lp: TokenLogprob | None) -> RequestOutput:
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        self.scheduler.remove(seq)
+        group = seq.group
+        group.num_finished += 1
+        if group.done:
+            self.seqs.pop(seq.request_id, None)
+        self.tenant_metrics.setdefault(seq.request.tenant, TenantMetrics()).output_tokens += seq.num_output
+        delta = seq.text[seq.emitted_chars :]
+        seq.emitted_chars += len(delta)
+        if seq.shadow is not None:
+            self._queue_shadow(seq)
+        return self._output(seq, new_ids, delta, lp)
 
     @staticmethod
     def _check_stop(seq: Sequence) -> str | None:
@@ -420,11 +545,20 @@ class LLMEngine:
                     break
         return best
 
-    def _output(self, seq: Sequence, new_ids: list[int], delta: str) -> RequestOutput:
+    def _output(self, seq: Sequence, new_ids: list[int], delta: str, lp: TokenLogprob | None = None,
+                error: str | None = None) -> RequestOutput:
         ttft = seq.first_token_at - seq.arrival if seq.first_token_at else None
-        return RequestOutput(seq.request_id, new_ids, delta, seq.finished, seq.finish_reason,
+        plp = None
+        if seq.prompt_lp is not None and not seq.prompt_lp_sent and new_ids:
+            plp, seq.prompt_lp_sent = seq.prompt_lp, True
+        lps = None
+        if seq.params.logprobs is not None:
+            lps = [lp] if (new_ids and lp is not None) else []
+        return RequestOutput(seq.request_id, new_ids, delta, seq.group.done, seq.finish_reason,
                              seq.num_prompt, seq.num_cached, seq.num_output, ttft,
-                             seq.prefill_s if seq.first_token_at else None, num_approx_tokens=seq.num_approx)
+                             seq.prefill_s if seq.first_token_at else None, num_approx_tokens=seq.num_approx,
+                             index=seq.index, choice_finished=seq.finished, logprobs=lps, prompt_logprobs=plp,
+                             cumulative_logprob=seq.cumulative_logprob, error=error)
 
     # -- moving KV between engines (pulls) ---------------------------------------------------
     def prompt_chains(self, request: Request) -> dict[str, list[BlockHash]]:
@@ -526,8 +660,9 @@ SEED_RANGE = 2 ** 64  # torch.Generator.manual_seed takes [0, 2**64)
 def check_sampling_limits(params) -> None:
     """Raise InvalidRequest for sampling values the engine cannot run (a seed torch refuses)."""
     seed = params.seed
-    if seed is not None and not (isinstance(seed, int) and 0 <= seed < SEED_RANGE):
-        raise InvalidRequest(f"seed must be an integer in [0, 2**64), got {str(seed)[:40]}")
+    n = max(1, int(getattr(params, "n", 1) or 1))  # choice i of n seeds its generator with seed + i
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed and seed + n - 1 < SEED_RANGE):
+        raise InvalidRequest(f"seed must be an integer in [0, 2**64 - n), got {str(seed)[:40]}")
 
 
 def check_approx_fields(request: Request) -> None:

@@ -227,7 +227,10 @@ class ModelRunner:
         self.attention = attention
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, hidden_rows: torch.Tensor | None = None):
+        """Logits [S, vocab] (float32) of ``batch.logits_rows``. With ``hidden_rows`` (batch row
+        indices; no row filters), also the final-norm hidden states of those rows, for callers
+        that reduce their logits chunk by chunk (prompt logprobs): returns (logits, hidden)."""
         model = self.model.model
         h = model.embed_tokens(batch.input_ids)  # [T, hidden]
         cos, sin = model.rotary_emb(h[None], batch.positions[None])
@@ -255,8 +258,13 @@ class ModelRunner:
             if layer_idx in filter_layers:
                 keep, batch = _filter_rows(layer_idx, batch, k, v)
                 h, cos, sin = h[keep], cos[keep], sin[keep]
-        h = model.norm(h[batch.logits_rows])
-        return self.model.lm_head(h).float()
+        if hidden_rows is None:
+            return self.model.lm_head(model.norm(h[batch.logits_rows])).float()
+        if filter_layers:
+            raise ValueError("hidden_rows cannot be combined with row filters")
+        n = batch.logits_rows.shape[0]
+        hn = model.norm(h[torch.cat([batch.logits_rows, hidden_rows])])
+        return self.model.lm_head(hn[:n]).float(), hn[n:]
 
     def _attend_sdpa(self, layer_idx, q, k, v, batch: ForwardBatch) -> torch.Tensor:
         out = torch.empty_like(q)

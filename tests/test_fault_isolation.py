@@ -1,8 +1,9 @@
 """No single request ends an engine step for the others; a dead engine loop is final and loud.
 
-Faults are injected by monkeypatching the sampler, the runner's forward or the scheduler on a
-tiny-llama engine; each test checks that the other requests' outputs equal a clean run and that
-the block pool's accounting is exact afterwards.
+Faults are injected by monkeypatching the runner's forward, the approximate path or the
+scheduler on a tiny-llama engine; each test checks that the other requests' outputs equal a
+clean run and that the block pool's accounting is exact afterwards. (A request whose sampling
+fails alone: engine/sampler.py's ``sample_isolated``, tested in test_sampling_features.py.)
 """
 
 import asyncio
@@ -11,12 +12,11 @@ import pytest
 
 import engine.llm_engine as llm_engine_mod
 from engine.async_engine import AsyncEngine, EngineDead, EngineStepFailed
-from engine.fault_isolation import RequestFailed, forward_isolating, per_item
+from engine.fault_isolation import forward_isolating
 from engine.llm_engine import EngineBroken, EngineConfig, LLMEngine
 from engine.sequence import Request, SamplingParams
 
 CFG = EngineConfig(model="tiny-llama", num_blocks=64, max_num_batched_tokens=256)
-POISON = 7  # the seed that the patched sampler refuses
 
 
 def req(rid, n=30, max_tokens=6, seed=None, first=3):
@@ -25,10 +25,15 @@ def req(rid, n=30, max_tokens=6, seed=None, first=3):
                                   ignore_eos=True))
 
 
-def drain(eng: LLMEngine) -> dict[str, list[int]]:
+def drain(eng: LLMEngine, errors: dict | None = None) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     while eng.has_unfinished():
         for o in eng.step():
+            if o.error:
+                assert o.finished
+                if errors is not None:
+                    errors[o.request_id] = o.error
+                continue
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
     return out
 
@@ -46,17 +51,7 @@ def assert_pool_idle(eng: LLMEngine):
     assert eng.pool.num_free_blocks() == eng.pool.num_blocks
 
 
-def test_helpers_isolate_the_failing_item():
-    assert per_item(lambda ix: [i * 2 for i in ix], 3) == [0, 2, 4]
-
-    def picky(ix):
-        if 1 in ix:
-            raise ValueError("item 1")
-        return [i for i in ix]
-
-    out = per_item(picky, 3)
-    assert out[0] == 0 and out[2] == 2 and isinstance(out[1], ValueError)
-
+def test_forward_helper_isolates_the_failing_chunk():
     def forward(chunks):
         if 2 in chunks:
             raise RuntimeError("chunk 2")
@@ -64,29 +59,7 @@ def test_helpers_isolate_the_failing_item():
 
     rows = forward_isolating(forward, [1, 2, 3], [True, True, False])
     assert rows[0] == 10 and isinstance(rows[1], RuntimeError) and rows[2] is None
-
-
-def test_a_request_whose_sampling_fails_fails_alone(tiny_model, monkeypatch):
-    good = [req("a"), req("b", n=40, first=5), req("s", seed=3)]
-    want = clean_outputs(tiny_model, good)
-    real = llm_engine_mod.sample
-
-    def sample(logits, params, gens):
-        if any(p.seed == POISON for p in params):
-            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-        return real(logits, params, gens)
-
-    monkeypatch.setattr(llm_engine_mod, "sample", sample)
-    eng = LLMEngine(CFG, tiny_model)
-    for r in [*good, req("poison", n=25, seed=POISON)]:
-        eng.add_request(r)
-    got = drain(eng)
-    failed = dict(eng.take_failed())
-    assert set(failed) == {"poison"} and isinstance(failed["poison"], RequestFailed)
-    assert "sampling" in str(failed["poison"])
-    assert {k: v for k, v in got.items() if k != "poison"} == want
-    assert eng.stats()["failed_requests"] == 1
-    assert_pool_idle(eng)
+    assert forward_isolating(lambda cs: [c for c in cs if c != 2], [1, 2, 3], [True, False, True]) == [1, None, 3]
 
 
 def test_a_request_whose_forward_fails_fails_alone(tiny_model, monkeypatch):
@@ -103,9 +76,11 @@ def test_a_request_whose_forward_fails_fails_alone(tiny_model, monkeypatch):
     eng.runner.forward = forward
     for r in [good[0], Request("bad", (500,) * 20, SamplingParams(max_tokens=4, temperature=0)), good[1]]:
         eng.add_request(r)
-    got = drain(eng)
-    assert [rid for rid, _ in eng.take_failed()] == ["bad"]
+    errors = {}
+    got = drain(eng, errors)
+    assert list(errors) == ["bad"] and "forward" in errors["bad"]
     assert {k: v for k, v in got.items() if k != "bad"} == want
+    assert eng.stats()["failed_requests"] == 1
     assert_pool_idle(eng)
 
 
@@ -116,11 +91,13 @@ def test_every_request_failing_step_after_step_means_the_engine_is_broken(tiny_m
         raise RuntimeError("device lost")
 
     eng.runner.forward = forward
+    errors = {}
     with pytest.raises(EngineBroken):
         for i in range(10):
             eng.add_request(req(f"r{i}"))
-            eng.step()
-    assert len(eng.take_failed()) == llm_engine_mod.MAX_FAILED_STEPS
+            for o in eng.step():
+                errors[o.request_id] = o.error
+    assert len(errors) == llm_engine_mod.MAX_FAILED_STEPS - 1 and all(errors.values())
 
 
 def test_approximate_path_failure_runs_the_request_exactly(tiny_model, monkeypatch):
@@ -140,27 +117,30 @@ def test_approximate_path_failure_runs_the_request_exactly(tiny_model, monkeypat
     exact = clean_outputs(tiny_model, [Request("new", new.prompt_ids, new.params)])
     eng.add_request(new)
     got = drain(eng)
-    assert got["new"] == exact["new"] and not eng.take_failed()
+    assert got["new"] == exact["new"]
     assert eng.stats()["optional_failures"] == {"approximate": 1}
     assert_pool_idle(eng)
 
 
-async def test_async_engine_delivers_the_failure_and_goes_on(tiny_model, monkeypatch):
-    real = llm_engine_mod.sample
-
-    def sample(logits, params, gens):
-        if any(p.seed == POISON for p in params):
-            raise RuntimeError("nan")
-        return real(logits, params, gens)
-
-    monkeypatch.setattr(llm_engine_mod, "sample", sample)
+async def test_async_engine_delivers_the_failure_and_goes_on(tiny_model):
     eng = AsyncEngine(CFG, loaded=tiny_model)
     try:
+        real = eng.engine.runner.forward
+
+        def forward(batch):
+            if (batch.input_ids == 500).any():
+                raise RuntimeError("kernel error")
+            return real(batch)
+
+        eng.engine.runner.forward = forward
+
         async def collect(r):
             return [o async for o in eng.generate(r)]
 
-        res = await asyncio.gather(collect(req("a")), collect(req("p", seed=POISON)), return_exceptions=True)
-        assert res[0][-1].finished and isinstance(res[1], RequestFailed)
+        bad = Request("p", (500,) * 12, SamplingParams(max_tokens=4, temperature=0))
+        good, failed = await asyncio.gather(collect(req("a")), collect(bad))
+        assert good[-1].finished and not good[-1].error
+        assert failed[-1].finished and failed[-1].error and "forward" in failed[-1].error
         assert (await collect(req("after")))[-1].finished
         assert eng.alive
     finally:

@@ -11,7 +11,6 @@ import logging
 import httpx
 import pytest
 
-import engine.llm_engine as llm_engine_mod
 from engine.redact import PREFIX_CHARS, describe_exc, redact
 from tests.ingress_harness import TINY, make_ingress
 
@@ -41,14 +40,14 @@ def logged_chunks(records) -> int:
 async def test_prompts_headers_keys_and_errors_are_never_logged_whole(tiny_model, monkeypatch, caplog):
     caplog.set_level(logging.DEBUG)
     app, ing, engine = make_ingress(tiny_model, monkeypatch)
-    real_sample = llm_engine_mod.sample
+    real_forward = engine.engine.runner.forward
 
-    def sample(logits, params, gens):
-        if any(p.seed == 99 for p in params):
-            raise RuntimeError("sampler choked on " + MARKER)
-        return real_sample(logits, params, gens)
+    def forward(batch):
+        if (batch.input_ids == ord("~") + 3).any():  # the failing request's prompt
+            raise RuntimeError("kernel choked on " + MARKER)
+        return real_forward(batch)
 
-    monkeypatch.setattr(llm_engine_mod, "sample", sample)
+    engine.engine.runner.forward = forward
     headers = {"Authorization": "Bearer sk-acme", "X-Marker": MARKER, "User-Agent": MARKER}
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
@@ -60,9 +59,8 @@ async def test_prompts_headers_keys_and_errors_are_never_logged_whole(tiny_model
                                    json={"model": TINY, "prompt": MARKER[:900]})
             assert bad_key.status_code == 401 and KEY not in bad_key.text
             failed = await c.post("/v1/completions", headers=headers,
-                                  json={"model": TINY, "prompt": MARKER[:900], "max_tokens": 2, "seed": 99,
-                                        "temperature": 1.0})
-            assert failed.status_code == 500 and failed.json()["error"]["code"] == "request_failed"
+                                  json={"model": TINY, "prompt": "~" + MARKER[:900], "max_tokens": 2})
+            assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
             assert MARKER[:50] not in failed.text
 
             def encode(text, **_):
@@ -75,5 +73,5 @@ async def test_prompts_headers_keys_and_errors_are_never_logged_whole(tiny_model
     finally:
         engine.shutdown()
     messages = " ".join(r.getMessage() for r in caplog.records)
-    assert "sampling" in messages and "request failed" in messages  # the error paths did log
+    assert "failed in forward" in messages and "request failed" in messages  # the error paths did log
     assert logged_chunks(caplog.records) <= MAX_LOGGED // 5 + 1
