@@ -94,39 +94,114 @@ def encode_batch(worker_id: str, seq: int, block_size: int, events: Sequence[Blo
     return msgpack.packb(msg, use_bin_type=True)
 
 
+HASH_BYTES = 16  # engine.block_pool.hash_block: 16 bytes of sha256
+MAX_ID_CHARS = 512  # worker ids, domains, template ids, slot classes, slot ids, tenants
+_U63 = 1 << 63
+
+
 def decode_message(payload: bytes) -> tuple[Batch, SlotUpdate]:
-    """Parse a batch with its slot part; raises ValueError on anything malformed."""
+    """Parse a batch with its slot part; raises ValueError (and nothing else) on anything
+    malformed. Strict: every field must have its wire type (no coercion: ``bytes(5)`` would
+    make five zero bytes, ``bytes(10**10)`` ten gigabytes), hashes are ``HASH_BYTES`` long, a
+    block is never its own parent, domain indices are in the table and counts are in range.
+    A well-typed batch may still lie (blocks it never stored, parents it does not hold): the
+    index stays consistent under any sequence of such batches (``PrefixIndex``)."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise ValueError("an index batch must be bytes")
     try:
-        m = msgpack.unpackb(payload, raw=False)
-        if m.get("v") != WIRE_VERSION:
-            raise ValueError(f"unsupported index wire version {m.get('v')!r}")
-        table = m["d"]
+        m = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack's errors: truncated, extra data, invalid bytes, bad UTF-8
+        raise ValueError(f"malformed index batch: {type(e).__name__}") from None
+    if not isinstance(m, dict):
+        raise ValueError("an index batch must be a map")
+    if m.get("v") != WIRE_VERSION or isinstance(m.get("v"), bool):
+        raise ValueError(f"unsupported index wire version {str(m.get('v'))[:20]}")
+    table = _field(m, "d", list)
+    for d in table:
+        _text(d, "domain")
 
-        def dom(i):
-            return None if i is None else table[i]
+    def dom(i):
+        if i is None:
+            return None
+        if not _is_int(i) or not 0 <= i < len(table):
+            raise ValueError("domain index out of the table")
+        return table[i]
 
-        events = tuple((int(k), bytes(h), p, dom(d)) for k, h, p, d in m["e"])
-        snap = m["snap"]
-        snapshot = None if snap is None else tuple((bytes(h), p, dom(d)) for h, p, d in snap)
+    def block(h, p, d):
+        if not (isinstance(h, bytes) and len(h) == HASH_BYTES):
+            raise ValueError(f"block hashes must be {HASH_BYTES} bytes")
+        if p is not None and not (isinstance(p, bytes) and len(p) == HASH_BYTES):
+            raise ValueError(f"parent hashes must be {HASH_BYTES} bytes or nil")
+        if p == h:
+            raise ValueError("a block cannot be its own parent")
+        return h, p, dom(d)
 
-        def slot(t, c, d, sid, n, tenant):
-            if not (isinstance(t, str) and isinstance(c, str) and isinstance(dom(d), str) and isinstance(sid, str)):
-                raise ValueError("slot fields must be strings")
-            return SlotKey(t, c, dom(d)), sid, int(n), {"tenant": str(tenant)}
+    events = []
+    for e in _field(m, "e", list):
+        if not (isinstance(e, list) and len(e) == 4):
+            raise ValueError("a block event is [kind, hash, parent, domain]")
+        if e[0] not in (STORED, REMOVED) or isinstance(e[0], bool):
+            raise ValueError("unknown block event kind")
+        events.append((e[0], *block(*e[1:])))
+    snap = m.get("snap")
+    snapshot = None
+    if snap is not None:
+        if not isinstance(snap, list) or not all(isinstance(x, list) and len(x) == 3 for x in snap):
+            raise ValueError("a snapshot is a list of [hash, parent, domain]")
+        snapshot = tuple(block(*x) for x in snap)
 
-        def slot_kind(k) -> bool:
-            if k not in (SLOT_ADDED, SLOT_REMOVED):
-                raise ValueError(f"unknown slot event kind {k!r}")
-            return k == SLOT_ADDED
+    def slot(fields):
+        if not (isinstance(fields, list) and len(fields) == 6):
+            raise ValueError("a slot is [template_id, slot_class, domain, slot_id, num_tokens, tenant]")
+        t, c, d, sid, n, tenant = fields
+        for x, what in ((t, "template id"), (c, "slot class"), (sid, "slot id"), (tenant, "tenant")):
+            _text(x, what)
+        domain = dom(d)
+        if domain is None:
+            raise ValueError("a slot needs a domain")
+        if not _is_int(n) or not 0 <= n < _U63:
+            raise ValueError("slot token counts must be non-negative integers")
+        return SlotKey(t, c, domain), sid, n, {"tenant": tenant}
 
-        slot_events = tuple((slot_kind(k), *slot(*rest)) for k, *rest in m.get("se", ()))
-        ss = m.get("ss")
-        slots = SlotUpdate(slot_events, None if ss is None else tuple(slot(*x) for x in ss))
-        return Batch(str(m["w"]), int(m["s"]), int(m["bs"]), events, snapshot), slots
-    except ValueError:
-        raise
-    except Exception as e:  # msgpack errors, wrong shapes
-        raise ValueError(f"malformed index batch: {e!r}") from e
+    def slot_event(fields):
+        if not (isinstance(fields, list) and len(fields) == 7) or fields[0] not in (SLOT_ADDED, SLOT_REMOVED) \
+                or isinstance(fields[0], bool):
+            raise ValueError("a slot event is [kind, template_id, slot_class, domain, slot_id, num_tokens, tenant]")
+        return (fields[0] == SLOT_ADDED, *slot(fields[1:]))
+
+    slot_events = tuple(slot_event(x) for x in _field(m, "se", list, ()))
+    ss = m.get("ss")
+    if ss is not None and not isinstance(ss, list):
+        raise ValueError("a slot snapshot is a list")
+    slots = SlotUpdate(slot_events, None if ss is None else tuple(slot(x) for x in ss))
+    worker, seq, bs = m.get("w"), m.get("s"), m.get("bs")
+    _text(worker, "worker id")
+    if not worker:
+        raise ValueError("the worker id is empty")
+    if not _is_int(seq) or not 0 <= seq < _U63:
+        raise ValueError("the sequence number must be a non-negative integer")
+    if not _is_int(bs) or not 0 < bs < 1 << 20:
+        raise ValueError("the block size must be a positive integer")
+    return Batch(worker, seq, bs, tuple(events), snapshot), slots
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _text(x, what: str) -> str:
+    if not isinstance(x, str) or len(x) > MAX_ID_CHARS:
+        raise ValueError(f"the {what} must be a string of at most {MAX_ID_CHARS} characters")
+    return x
+
+
+def _field(m: dict, key: str, kind: type, default=None):
+    x = m.get(key, default)
+    if x is None and default is None:
+        raise ValueError(f"the batch lacks {key!r}")
+    if not isinstance(x, (kind, tuple)):
+        raise ValueError(f"{key!r} has the wrong type")
+    return x
 
 
 def decode_batch(payload: bytes) -> Batch:
@@ -172,7 +247,7 @@ class IndexPublisher:
         try:
             reply = await asyncio.wait_for(self.send(payload, snapshot is not None), self.timeout_s)
         except Exception as e:  # timeout, index dead or restarting: resync next time
-            log.debug("index publish failed: %r", e)
+            log.debug("index publish failed: %s", type(e).__name__)
             self.stats["failures"] += 1
             self.need_snapshot = True
             return False

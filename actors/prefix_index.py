@@ -327,6 +327,8 @@ class PrefixIndex:
 
     # -- internals -------------------------------------------------------------------------
     def _store(self, feed: _Feed, h: BlockHash, parent: BlockHash | None, domain: Domain | None, now: float) -> None:
+        if parent == h:  # a lying feed (the wire decoder refuses it): a self-loop would corrupt the trie
+            return
         nodes = self._nodes
         node = nodes.get(h)
         if node is None:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import ray
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineDead
+from engine.redact import describe_exc
 from engine.kv_cache import KVBlocks
 from engine.llm_engine import EngineConfig
 from engine.sequence import Request, RequestOutput
@@ -69,9 +70,11 @@ class Worker:
         self._aborted: OrderedDict[str, None] = OrderedDict()  # aborts of requests not (yet) in the engine
 
     def ready(self) -> dict:
+        self._check_alive()
         e = self.engine.engine
         return {"worker_id": self.worker_id, "model": e.loaded.name, "model_id": e.loaded.model_id,
                 "max_model_len": e.max_model_len, "block_size": e.config.block_size,
+                "vocab_size": int(e.loaded.model.config.vocab_size),
                 "kv_bytes_per_token": e.cache.bytes_per_block(e.cache.num_layers, 1, e.cache.num_kv_heads,
                                                               e.cache.head_dim, e.cache.dtype),
                 "node_id": self.node_id, "pid": os.getpid(), "num_blocks": e.pool.num_blocks}
@@ -120,7 +123,7 @@ class Worker:
         try:
             want = await self.engine.call(lambda e: e.needed_slot_class(request))
         except Exception as e:  # noqa: BLE001 - e.g. a malformed request: generate reports it
-            log.debug("donor need of %s failed: %r", request.request_id, e)
+            log.debug("donor need of %s failed: %s", request.request_id, describe_exc(e))
             return False
         offers = [p for p in donor_pulls if p.slot_class == want and p.holder_id != self.worker_id]
         if want is None or not offers:
@@ -142,7 +145,7 @@ class Worker:
                              p.holder_id, time.perf_counter() - t0)
                     return True
             except Exception as e:  # noqa: BLE001 - any failure: run without this donor
-                log.warning("donor pull of %s from %s failed: %r", p.slot_id[:12], p.holder_id, e)
+                log.warning("donor pull of %s from %s failed: %s", p.slot_id[:12], p.holder_id, describe_exc(e))
             self.donor_stats["failed"] += 1
         return False
 
@@ -213,8 +216,8 @@ class Worker:
                         got["imported"] += await pending_import[0]
                     except Exception:  # noqa: BLE001 - that import failed: nothing landed
                         pass
-                log.warning("pull of blocks %d-%d from %s failed after %d tokens: %r", p.start_block, p.end_block,
-                            p.holder_node, got["imported"], e)
+                log.warning("pull of blocks %d-%d from %s failed after %d tokens: %s", p.start_block, p.end_block,
+                            p.holder_node, got["imported"], describe_exc(e))
             finally:
                 for chunk in ahead:  # requested but not consumed: stop waiting; mark errors as seen
                     if chunk.done() and not chunk.cancelled():
@@ -258,7 +261,7 @@ class Worker:
                 await asyncio.wait_for(_await(handle.probe_payload.remote(nbytes)), self.pull_timeout_s)
                 seconds = time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001 - a failed probe only loses a sample
-                log.debug("probe of %s failed: %r", node, e)
+                log.debug("probe of %s failed: %s", node, describe_exc(e))
                 continue
             out[node] = (rtt, seconds)
             if self.router is not None:
@@ -266,7 +269,22 @@ class Worker:
         return out
 
     def set_faults(self, faults: list[str]) -> None:
+        """Test hooks: "export" / "export_donor" make those calls fail; "engine_death" ends the
+        engine loop now (as a fatal step error would)."""
         self.faults = set(faults)
+        if "engine_death" in self.faults:
+            self.engine.die(RuntimeError("simulated engine death"))
+
+    def _check_alive(self) -> None:
+        if not self.engine.alive:
+            raise EngineDead(f"the engine of worker {self.worker_id} died: {self.engine.error!r}")
+
+    async def health(self) -> dict:
+        """Raises EngineDead once the engine loop died (the pool then replaces this worker);
+        else the engine's load (running and waiting requests), read on the engine thread."""
+        self._check_alive()
+        return await self.engine.call(lambda e: {"alive": True, "running": len(e.scheduler.running),
+                                                 "waiting": len(e.scheduler.waiting)})
 
     def attach_router(self, handle=None) -> bool:
         """Report prefills and transfers to the router actor (fire and forget)."""

@@ -29,13 +29,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.metrics import CONTENT_TYPE_LATEST, Metrics
 import ray
 
-from cluster.controller import ConfigMismatch, ControllerClient, ControllerClosing, Rejected
+from cluster.controller import ConfigMismatch, ControllerClient, ControllerClosing, Rejected, TemplateQuotaExceeded
+from cluster.input_limits import ENCODE_INLINE_CHARS, InputLimits, _vocab_size, check_template, read_body
 from cluster.pool import PoolConfig, WorkerUnavailable
 from cluster.choices import Assembler, PromptInfo, TokenIds, TokenTexts, chunk_event, response
 from cluster.protocol import (DONE, ApiError, ChatRequest, CompletionRequest, DetokenizeBody, Served, TemplateBody,
                               TokenizeBody, error_event, openapi_body, parse_body)
 from engine.approx import ApproxConfig
-from engine.llm_engine import EngineConfig
+from engine.async_engine import EngineDead, EngineStepFailed
+from engine.llm_engine import EngineConfig, check_sampling_limits
+from engine.redact import describe_exc, redact
 from engine.sequence import InvalidRequest, Request, SamplingParams
 from policies.autoscale import AutoscaleConfig
 from policies.tenancy import TenantConfig, Tenants, read_tenants_file, tenants_path
@@ -67,6 +70,7 @@ class AppSettings:
     default_chat_max_tokens: int = 512  # chat requests without max_tokens: min(this, room left)
     ready_timeout_s: float = 600.0
     client_ttl_s: float = 30.0  # an ingress replica silent this long is presumed dead (its leases reclaimed)
+    max_body_bytes: int | None = None  # request bodies larger get a 413; None: 2 MiB + 64 bytes per context token
 
     @classmethod
     def from_args(cls, args):
@@ -331,6 +335,14 @@ def _vocab_size(tok) -> int:
         return int(tok.vocab_size)
 
 
+def _last_line(e: BaseException) -> str:
+    """The cause's own message of a (possibly Ray-wrapped) exception, bounded."""
+    lines = [x for x in str(e).splitlines() if x.strip()]
+    last = lines[-1].strip() if lines else type(e).__name__
+    head, sep, rest = last.partition(": ")
+    return (rest if sep and head.isidentifier() else last)[:300]
+
+
 def _as_api_error(e: BaseException) -> ApiError:
     """The OpenAI error for ``e``: 4xx for the client's mistakes, 503 when the controller or a
     worker is unavailable, too slow or being replaced, else 500 ``internal_error`` (logged with
@@ -340,6 +352,11 @@ def _as_api_error(e: BaseException) -> ApiError:
     if isinstance(e, InvalidRequest):
         msg = str(e).splitlines()[-1] if str(e) else "invalid request"
         return ApiError(400, msg.split("InvalidRequest: ")[-1])
+    if isinstance(e, (EngineStepFailed, EngineDead)):
+        return ApiError(503, f"the worker's engine failed; retry the request ({_last_line(e)[:200]})",
+                        type_="server_error", code="engine_failed")
+    if isinstance(e, TemplateQuotaExceeded):
+        return ApiError(429, str(e), type_="requests", code="template_quota_exceeded", param="id")
     if isinstance(e, WorkerUnavailable):
         return ApiError(503, str(e), type_="server_error", code="worker_unavailable")
     if isinstance(e, (asyncio.TimeoutError, TimeoutError, ray.exceptions.GetTimeoutError)):
@@ -352,7 +369,7 @@ def _as_api_error(e: BaseException) -> ApiError:
         log.error("kvmesh replica refused by its controller: %s", e)
         return ApiError(503, f"this replica cannot attach to the kvmesh controller: {e}", type_="server_error",
                         code="controller_unavailable")
-    log.error("request failed", exc_info=e)
+    log.error("request failed: %s", describe_exc(e, traceback=True))
     return ApiError(500, f"internal error: {type(e).__name__}", type_="server_error", code="internal_error")
 
 
@@ -360,14 +377,22 @@ def _as_api_error(e: BaseException) -> ApiError:
 @serve.ingress(app)
 class KvmeshIngress:
     async def __init__(self, settings: dict, tenants_data: dict):
-        self.settings = s = AppSettings(**settings)
-        self.tenants = Tenants.from_dict(tenants_data)
+        s = AppSettings(**settings)
+        tenants = Tenants.from_dict(tenants_data)
+        self.settings, self.tenants = s, tenants
+        pool = await self._open_pool(tenants_data)
+        self._setup(s, tenants, pool, await pool.wait_ready(s.ready_timeout_s))
+
+    def _setup(self, s: AppSettings, tenants: Tenants, pool, info: dict) -> None:
+        """The replica's state, given what serves its requests (``pool``) and a ready worker's
+        ``info`` (also used by in-process tests with a stand-in pool)."""
+        self.settings, self.tenants, self.pool = s, tenants, pool
         self.model_name, self.tokenizer = load_tokenizer(s.model)
         self.token_texts = TokenTexts(self.tokenizer)
         self.metrics = Metrics(self.tenants.names())
-        self.pool = await self._open_pool(tenants_data)
-        info = await self.pool.wait_ready(s.ready_timeout_s)
         self.max_model_len = int(info["max_model_len"])
+        self.vocab_size = int(info.get("vocab_size") or _vocab_size(self.tokenizer))
+        self.limits = InputLimits.derive(self.max_model_len, self.tokenizer, s.max_body_bytes)
 
     async def _open_pool(self, tenants_data: dict):
         """What serves the requests behind this ingress: the app's controller, one per app and
@@ -433,8 +458,9 @@ class KvmeshIngress:
         from policies.remap import Template
 
         tenant = self._auth(req)
-        body = parse_body(await req.body(), TemplateBody)
+        body = parse_body(await read_body(req, self.limits.max_body_bytes), TemplateBody)
         tid, text = body.id, body.template
+        check_template(tid, text)
         params = list(Template.parse(tid, text).params)
         await self._ask("register_template", tenant.name, tid, text)
         return {"object": "template", "id": tid, "tenant": tenant.name, "params": params}
@@ -454,14 +480,15 @@ class KvmeshIngress:
     async def tokenize(self, req: HttpRequest):
         """``{prompt}`` or ``{messages}`` (chat template applied) → ``{count, max_model_len, tokens}``."""
         self._auth(req)
-        body = parse_body(await req.body(), TokenizeBody)
+        body = parse_body(await read_body(req, self.limits.max_body_bytes), TokenizeBody)
         self._check_model(body.model)
         if body.messages is not None:
             ids = self._chat_ids(body.messages, body.add_generation_prompt is not False,
                                  bool(body.continue_final_message), bool(body.add_special_tokens))
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = list(self.tokenizer.encode(body.prompt, add_special_tokens=special))
+            self.limits.check_chars(len(body.prompt), self.max_model_len, "prompt")
+            ids = await self._encode(body.prompt, add_special_tokens=special)
         strs = [self.token_texts(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -469,7 +496,7 @@ class KvmeshIngress:
     async def detokenize(self, req: HttpRequest):
         """``{tokens}`` → ``{prompt}`` (special tokens kept, as vLLM)."""
         self._auth(req)
-        body = parse_body(await req.body(), DetokenizeBody)
+        body = parse_body(await read_body(req, self.limits.max_body_bytes), DetokenizeBody)
         self._check_model(body.model)
         vocab = _vocab_size(self.tokenizer)
         bad = [t for t in body.tokens if not 0 <= t < vocab]
@@ -514,27 +541,49 @@ class KvmeshIngress:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            code="model_not_found", param="model")
 
-    def _chat_ids(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
-                  add_special_tokens: bool = False) -> list[int]:
-        tok = self.tokenizer
+    def _chat_text(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+        """The chat template applied to ``messages``; text longer than any context could hold is
+        refused first (``InputLimits.check_chars``)."""
         msgs = [{"role": m.role, "content": m.text()} for m in messages]
+        self.limits.check_chars(sum(len(m["content"]) for m in msgs), self.max_model_len, "messages")
         kw = {"continue_final_message": True} if continue_final_message else {}
         try:
-            text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False, **kw)
+            return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **kw)
         except Exception as e:  # noqa: BLE001 - template errors are the client's messages
-            raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        return list(tok.encode(text, add_special_tokens=add_special_tokens))
+            raise ApiError(400, f"cannot apply the chat template: {redact(str(e), 200)}", param="messages") from None
 
-    def _prompts(self, body, chat: bool) -> list[PromptInfo]:
-        """The request's prompts as token ids (+ their text, for echo)."""
+    def _chat_ids(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                  add_special_tokens: bool = False) -> list[int]:
+        text = self._chat_text(messages, add_generation_prompt, continue_final_message)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text``; long text is tokenized on a thread, never on the event loop."""
+        if len(text) <= ENCODE_INLINE_CHARS:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens))
+
+    def _check_ids(self, ids, param: str = "prompt") -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"prompt token ids must be integers in [0, {self.vocab_size}); got {redact(bad, 24)}",
+                           param=param)
+
+    async def _prompts(self, body, chat: bool) -> list[PromptInfo]:
+        """The request's prompts as token ids (+ their text, for echo). Text is bounded before
+        tokenizing and tokenized off the event loop when long; token ids must be in the vocabulary."""
         if chat:
-            return [PromptInfo(self._chat_ids(body.messages, body.add_generation_prompt is not False,
-                                              bool(body.continue_final_message)), "")]
+            text = self._chat_text(body.messages, body.add_generation_prompt is not False,
+                                   bool(body.continue_final_message))
+            return [PromptInfo(await self._encode(text, add_special_tokens=False), "")]
         tok, out = self.tokenizer, []
         for p in body.prompts():
             if isinstance(p, str):
-                out.append(PromptInfo(list(tok.encode(p, add_special_tokens=body.add_special_tokens is not False)), p))
+                self.limits.check_chars(len(p), self.max_model_len, "prompt")
+                out.append(PromptInfo(await self._encode(p, add_special_tokens=body.add_special_tokens is not False), p))
                 continue
+            self._check_ids(p)
             text = ""
             if body.echo:
                 try:
@@ -557,14 +606,16 @@ class KvmeshIngress:
             kind, schema = d["grammar"]
             d = {**d, "grammar": _grammar_spec()(kind=kind, schema=schema)}
         try:
-            return SamplingParams(**d)
+            params = SamplingParams(**d)
+            check_sampling_limits(params)
+            return params
         except InvalidRequest as e:
-            raise ApiError(400, str(e)) from None
+            raise ApiError(400, redact(str(e), 300)) from None
 
     async def _build(self, tenant: TenantConfig, body, chat: bool) -> tuple[str, list[Request], Assembler]:
         """(response id, one engine Request per prompt, the Assembler that formats their outputs)."""
         self._check_model(body.model)
-        prompts = self._prompts(body, chat)
+        prompts = await self._prompts(body, chat)
         param = "messages" if chat else "prompt"
         requested = body.requested_max_tokens() if chat else body.max_tokens
         echo = bool(not chat and body.echo)
@@ -620,7 +671,7 @@ class KvmeshIngress:
         try:
             tenant = self._auth(req)
             tenant_name = tenant.name
-            body = parse_body(await req.body(), ChatRequest if chat else CompletionRequest)
+            body = parse_body(await read_body(req, self.limits.max_body_bytes), ChatRequest if chat else CompletionRequest)
             rid, requests, asm = await self._build(tenant, body, chat)
         except Exception as e:  # noqa: BLE001 - counted, and always an OpenAI error body
             err = _as_api_error(e)

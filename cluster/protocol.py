@@ -23,6 +23,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictStr,
                       ValidationError, create_model)
 
+from cluster import safe_json
+
 
 class ApiError(Exception):
     """An error with its HTTP status and OpenAI error body."""
@@ -420,9 +422,9 @@ def parse_body(raw: bytes, cls: type[BaseModel]) -> BaseModel:
     """Parse and validate a JSON body; malformed JSON, wrong types, unsupported or unknown fields
     → ApiError(400) naming the field."""
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        data = safe_json.loads(raw)  # bounded depth, no NaN/Infinity, UTF-8-clean strings
+    except safe_json.BadJson as e:
+        raise ApiError(400, str(e)) from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
     if cls is ChatRequest:
@@ -437,11 +439,11 @@ def parse_body(raw: bytes, cls: type[BaseModel]) -> BaseModel:
         unknown = [err for err in errors if err.get("type") == "extra_forbidden"]
         if unknown:
             loc = ".".join(str(x) for x in unknown[0].get("loc", ()))
-            raise ApiError(400, f"unknown field {loc!r}", param=loc, code="unknown_parameter") from None
+            raise ApiError(400, f"unknown field {loc[:100]!r}", param=loc[:100], code="unknown_parameter") from None
         # the most specific error: a union's "wrong type" for each member says least
         err = next((x for x in errors if not x.get("type", "").endswith("_type")), errors[0])
         loc = ".".join(str(x) for x in err.get("loc", ()) if not _is_union_tag(x))
-        raise ApiError(400, f"invalid field {loc!r}: {err.get('msg')}", param=loc or None) from None
+        raise ApiError(400, f"invalid field {loc[:100]!r}: {str(err.get('msg'))[:200]}", param=loc[:100] or None) from None
     check = getattr(body, "check", None)
     if check is not None:
         check()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -10,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.approx import ApproxConfig, ApproxReuse, ShadowJob
+from engine.redact import describe_exc
+from engine.fault_isolation import forward_isolating
 from engine.block_pool import BlockHash, BlockPool, prompt_chains
 from engine.kv_cache import KVBlocks, PagedKVCache, token_slots
 from engine.kv_manager import KVManager
@@ -25,6 +28,13 @@ from engine.sequence import (REUSE_MODES, InvalidRequest, Request, RequestOutput
                              SequenceStatus, TokenLogprob)
 from engine.tokenizer import IncrementalDetokenizer
 from policies.eviction import TenantEvictionPolicy, TenantQuota
+
+
+MAX_FAILED_STEPS = 3  # steps in a row failing every request in them: the engine is broken, not a request
+
+
+class EngineBroken(RuntimeError):
+    """Every request failed in several steps in a row: the engine itself is broken."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +103,9 @@ class LLMEngine:
         self.vocab_size = mcfg.vocab_size
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_ids)
         self._shadow_jobs: deque[ShadowJob] = deque()  # quality-gate checks of finished requests
+        self._failed_steps = 0  # consecutive steps in which every request failed
+        self.num_failed = 0
+        self.optional_failures: dict[str, int] = {}  # donations/approximate builds skipped on an error
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -122,6 +135,14 @@ class LLMEngine:
             raise InvalidRequest(
                 f"prompt ({n} tokens) + max_tokens ({request.params.max_tokens}) exceeds the context of "
                 f"{self.max_model_len} tokens")
+        check_sampling_limits(request.params)
+        bs = self.config.block_size
+        need, cap = -(-(n + request.params.max_tokens) // bs), self.pool.capacity(request.tenant)
+        if need > cap:
+            raise InvalidRequest(
+                f"prompt ({n} tokens) + max_tokens ({request.params.max_tokens}) needs {need} KV blocks; tenant "
+                f"{request.tenant!r} may hold at most {cap} of this worker's {self.pool.num_blocks} (the rest is "
+                f"other tenants' guaranteed minimum): at most {cap * bs} tokens in all")
         if request.reuse not in REUSE_MODES:
             raise InvalidRequest(f"reuse must be one of {REUSE_MODES}, got {request.reuse!r}")
         check_approx_fields(request)
@@ -214,9 +235,10 @@ class LLMEngine:
                 if cnt > 0:
                     plp.append((seq, start, cnt, row))
             row += n
-        batch = build_batch(chunks, self.config.block_size, self.config.device)
         t0 = time.perf_counter()
-        if plp:
+        wants = [want for _, _, want, _ in chunks]
+        if plp:  # prompt logprobs need the hidden rows too: one batched call (a failure fails the step)
+            batch = build_batch(chunks, self.config.block_size, self.config.device)
             hrows = torch.tensor([r + i for _, _, c, r in plp for i in range(c)], dtype=torch.long,
                                  device=batch.input_ids.device)
             logits, hidden = self.runner.forward(batch, hrows)
@@ -226,25 +248,35 @@ class LLMEngine:
                                              seq.tokens[start + 1 : start + 1 + cnt], seq.params.prompt_logprobs)
                 seq.prompt_lp[start + 1 : start + 1 + cnt] = lps
                 off += cnt
-        else:
-            logits = self.runner.forward(batch)
+            it = iter(logits)
+            rows = [next(it) if w else None for w in wants]
+        else:  # a chunk whose forward fails alone fails its request alone (engine/fault_isolation.py)
+            rows = forward_isolating(
+                lambda cs: self.runner.forward(build_batch(cs, self.config.block_size, self.config.device)),
+                chunks, wants)
         dt = time.perf_counter() - t0
         total = sum(n for _, n in scheduled)
         self.num_steps += 1
         self.num_forward_tokens += total
+        failed = [(seq, r) for (seq, _), r in zip(scheduled, rows) if isinstance(r, BaseException)]
+        errors = [self._fail(seq, "forward", err) for seq, err in failed]
         for seq, n in scheduled:
             if seq.first_token_at is None:
                 seq.prefill_s += dt * n / total
-        sampled_seqs = []
-        for (seq, n), (_, _, want, _) in zip(scheduled, chunks):
+        sampled_seqs, wanted = [], []
+        for (seq, n), (_, _, want, _), row in zip(scheduled, chunks, rows):
+            if isinstance(row, BaseException):
+                continue
             seq.num_computed += n
             if not seq.approx_kv:  # approximate KV must never enter the exact prefix cache
                 self.kv.commit(seq)
             if want:
                 sampled_seqs.append(seq)
+                wanted.append(row)
                 if seq.num_output == 0 and not seq.approx_kv and self.approx is not None \
                         and seq.request.reuse == "approximate":
-                    self._donate(seq)
+                    self._guarded(seq, "donation", self._donate)
+        logits = torch.stack(wanted) if wanted else None
         for i, seq in enumerate(sampled_seqs):
             if seq.shadow is not None:  # quality gate: the exact argmax of every output step
                 seq.shadow_argmax.append(int(logits[i].argmax()))
@@ -256,12 +288,37 @@ class LLMEngine:
                 for child in self._fork(seq):  # forked choices sample from the parent's row
                     sampled_seqs.append(child)
                     rows.append(i)
-        if len(rows) != logits.shape[0]:
+        if logits is not None and len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
         t1 = time.perf_counter()
-        outs = self._sample_and_append(logits, sampled_seqs)
+        outs = self._sample_and_append(logits, sampled_seqs) if sampled_seqs else []
         self.sample_s += time.perf_counter() - t1
-        return early + outs
+        n_failed = len(failed) + sum(1 for o in outs if o.error)
+        self.num_failed += n_failed - len(failed)
+        self._failed_steps = self._failed_steps + 1 if n_failed and n_failed >= len(scheduled) else 0
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise EngineBroken(f"{self._failed_steps} steps in a row failed for every request in them")
+        return early + errors + outs
+
+    # -- failures of one request (engine/fault_isolation.py) --------------------------------
+    def _fail(self, seq: Sequence, where: str, err: BaseException) -> RequestOutput:
+        """End ``seq``'s request with an error of its own (its blocks freed); the step goes on
+        for the others. The returned output carries ``error`` (the ingress answers 500)."""
+        logging.getLogger(__name__).warning("request %s failed in %s: %s", seq.request_id, where,
+                                            describe_exc(err, traceback=True))
+        self.num_failed += 1
+        return self._end_group(seq.group, "error", f"the request failed in the engine's {where} "
+                                                   f"({type(err).__name__}); other requests were not affected")
+
+    def _guarded(self, seq: Sequence, where: str, fn) -> bool:
+        """``fn(seq)`` for an optional extra (donation): a failure is logged and skipped."""
+        try:
+            fn(seq)
+            return True
+        except Exception as e:  # noqa: BLE001 - an optional extra never fails the request or the step
+            self.optional_failures[where] = self.optional_failures.get(where, 0) + 1
+            logging.getLogger(__name__).warning("%s for request %s failed: %s", where, seq.request_id, describe_exc(e))
+            return False
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Choices 1..n-1 of ``parent``'s request (see engine/fork.py): the running ones, which
@@ -289,7 +346,8 @@ class LLMEngine:
             mask = self.grammars.mask_fn(gram, logits.device)
             res: SampleResult = sample(logits, rows, mask)
         except Exception:  # noqa: BLE001 - isolate the failing row(s); the step goes on
-            logging.getLogger(__name__).exception("batched sampling failed; sampling row by row")
+            logging.getLogger(__name__).warning("batched sampling failed (%s); sampling row by row",
+                                                describe_exc(sys.exc_info()[1]))
 
             def mask_row(i):
                 m = seqs[i].matcher
@@ -331,16 +389,23 @@ class LLMEngine:
                 gain = sum(1 for i in range(hit_tokens, m.suffix_start) if m.plan.src[i] is not None)
                 return hit_tokens <= m.plan.exact_prefix and gain >= self.config.approx.min_gain_tokens
 
-            m = self.approx.match(seq.request, worth)
-            if m is None:
-                continue  # no donor, not worth it (the exact prefix cache serves nearly as much), or gated
-            if m.shadow:  # the quality gate measures this template: run exactly, check once finished
-                seq.shadow = m
-                continue
-            if self.kv.blocks_needed(seq, n, hit) > self.pool.num_free_blocks():
-                continue
             t0 = time.perf_counter()
-            res = self.approx.build(seq.request, m)
+            try:  # one request's approximate path failing = that request runs exactly
+                m = self.approx.match(seq.request, worth)
+                if m is None:
+                    continue  # no donor, not worth it (the exact prefix cache serves nearly as much), or gated
+                if m.shadow:  # the quality gate measures this template: run exactly, check once finished
+                    seq.shadow = m
+                    continue
+                if self.kv.blocks_needed(seq, n, hit) > self.pool.num_free_blocks():
+                    continue
+                res = self.approx.build(seq.request, m)
+            except Exception as e:  # noqa: BLE001
+                seq.shadow = None
+                self.optional_failures["approximate"] = self.optional_failures.get("approximate", 0) + 1
+                logging.getLogger(__name__).warning("approximate reuse for %s failed, running it exactly: %s",
+                                                    seq.request_id, describe_exc(e, traceback=True))
+                continue
             dt = time.perf_counter() - t0
             self.scheduler.waiting.remove(seq)
             self.kv.admit(seq, hit)
@@ -376,7 +441,8 @@ class LLMEngine:
             self.approx.shadow_check(job)
         except Exception:  # noqa: BLE001 - best effort: a bug here must not kill the engine loop
             self.approx.stats["shadow_errors"] += 1
-            logging.getLogger(__name__).exception("quality-gate shadow check of %s failed", job.request.request_id)
+            logging.getLogger(__name__).error("quality-gate shadow check of %s failed: %s", job.request.request_id,
+                                              describe_exc(sys.exc_info()[1], traceback=True))
 
     def _queue_shadow(self, seq: Sequence) -> None:
         """Queue the quality-gate check of a finished shadowed request (bounded: oldest dropped)."""
@@ -576,6 +642,7 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
+            "failed_requests": self.num_failed, "optional_failures": dict(self.optional_failures),
             "tenants": {
                 t: {**vars(m), "blocks_held": self.pool.eviction.held.get(t, 0),
                     "evictions": self.pool.stats.get(t).evictions if t in self.pool.stats else 0}
@@ -585,6 +652,17 @@ class LLMEngine:
                            "gate": self.approx.gate.snapshot()}} if self.approx is not None else {}),
         }
 
+
+
+SEED_RANGE = 2 ** 64  # torch.Generator.manual_seed takes [0, 2**64)
+
+
+def check_sampling_limits(params) -> None:
+    """Raise InvalidRequest for sampling values the engine cannot run (a seed torch refuses)."""
+    seed = params.seed
+    n = max(1, int(getattr(params, "n", 1) or 1))  # choice i of n seeds its generator with seed + i
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed and seed + n - 1 < SEED_RANGE):
+        raise InvalidRequest(f"seed must be an integer in [0, 2**64 - n), got {str(seed)[:40]}")
 
 
 def check_approx_fields(request: Request) -> None:
@@ -598,6 +676,20 @@ def check_approx_fields(request: Request) -> None:
         raise InvalidRequest(f"recompute_ratio must be in [0, 1], got {r!r}")
     if request.template is not None and not isinstance(request.template, str):
         raise InvalidRequest("template must be a string id")
+    texts = [request.template, request.template_text, request.share_domain, request.tenant]
+    if isinstance(request.template_params, dict):
+        texts += [x for kv in request.template_params.items() for x in kv]
+    if not all(_utf8(t) for t in texts if isinstance(t, str)):
+        raise InvalidRequest("template ids, texts, parameters and domains must be valid Unicode text "
+                             "(no lone surrogates)")
     p = request.template_params
     if p is not None and (not isinstance(p, dict) or not all(isinstance(k, str) and isinstance(x, str) for k, x in p.items())):
         raise InvalidRequest("template params must map names to strings")
+
+
+def _utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False

@@ -1,0 +1,91 @@
+"""A worker whose engine loop died is reported unhealthy and replaced; requests go on elsewhere.
+
+Real worker actors (tiny-llama) in a local Ray instance. The engine thread is ended with the
+worker's ``set_faults(["engine_death"])`` hook while the actor process stays alive (the case
+that looked healthy before: its load read 0 and routing preferred it).
+"""
+
+import asyncio
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+
+def _req(rid, max_tokens=4):
+    from engine.sequence import Request, SamplingParams
+
+    return Request(rid, tuple(range(3, 40)), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                   tenant="acme")
+
+
+async def _run(pool, rid, max_tokens=4):
+    outs = [out async for _, _, out in pool.generate(_req(rid, max_tokens))]
+    assert outs[-1].finished and outs[-1].num_output_tokens == max_tokens
+    return outs
+
+
+async def _wait_ready(pool, n, timeout=240):
+    for _ in range(timeout * 10):
+        if sum(w.routable for w in pool.workers.values()) >= n:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"only {[w.worker_id for w in pool.workers.values() if w.routable]} ready")
+
+
+def test_dead_engines_are_detected_idle_and_mid_stream_and_replaced():
+    import ray
+
+    from cluster.pool import PoolConfig, WorkerDied, WorkerPool
+    from engine.async_engine import EngineDead
+    from engine.llm_engine import EngineConfig
+    from policies.autoscale import AutoscaleConfig
+
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
+
+    async def main():
+        cfg = PoolConfig(engine=EngineConfig(model="tiny-llama", num_blocks=64), cost_aware_routing=False,
+                         autoscale=AutoscaleConfig(min_workers=2, max_workers=2), worker_num_cpus=0,
+                         worker_num_gpus=0, health_interval_s=0)  # health checks driven by the test
+        pool = WorkerPool(cfg)
+        await pool.start(autoscale=False)
+        try:
+            await _wait_ready(pool, 2)
+            w0, w1 = sorted(pool.workers)
+            # 1. an idle worker's engine dies: health fails, the pool replaces it
+            await pool.workers[w0].actor.set_faults.remote(["engine_death"])
+            with pytest.raises(EngineDead):
+                await pool.workers[w0].actor.health.remote()
+            assert await pool.check_health() == [w0]
+            assert w0 not in pool.workers and len(pool.workers) == 2
+            await _wait_ready(pool, 2)
+            for i in range(4):
+                outs = await _run(pool, f"after-idle-{i}")
+            assert {w for w in pool.workers} != {w0, w1}
+            # 2. a worker's engine dies mid-decode: that stream fails (503-class), the worker is
+            # replaced at once, and the next requests are served by the healthy ones
+            stream = pool.generate(_req("victim", max_tokens=900))
+            async for target, _, out in stream:
+                await target.actor.set_faults.remote(["engine_death"])
+                break
+            with pytest.raises(WorkerDied, match="engine"):
+                async for _ in stream:
+                    pass
+            await stream.aclose()
+            assert target.worker_id not in pool.workers and target.dead
+            await _wait_ready(pool, 2)
+            served = {}
+            for i in range(4):
+                outs = await _run(pool, f"after-stream-{i}")
+                served[i] = outs[-1]
+            assert all(w.inflight == 0 for w in pool.workers.values())
+            for w in pool.workers.values():
+                s = await w.actor.stats.remote()
+                assert s["free_blocks"] == s["num_blocks"] and s["running"] == 0
+        finally:
+            await pool.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        ray.shutdown()
