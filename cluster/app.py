@@ -37,7 +37,7 @@ from engine.approx import ApproxConfig
 from engine.llm_engine import EngineConfig
 from engine.sequence import InvalidRequest, Request, SamplingParams
 from policies.autoscale import AutoscaleConfig
-from policies.tenancy import TenantConfig, Tenants, read_tenants_file, tenants_path
+from policies.tenancy import TenantConfig, Tenants, TenantsError, read_tenants_file, tenants_path
 
 log = logging.getLogger(__name__)
 EXAMPLE_TENANTS = Path(__file__).with_name("tenants.yaml")
@@ -66,6 +66,13 @@ class AppSettings:
     default_chat_max_tokens: int = 512  # chat requests without max_tokens: min(this, room left)
     ready_timeout_s: float = 600.0
     client_ttl_s: float = 30.0  # an ingress replica silent this long is presumed dead (its leases reclaimed)
+    # "none": /metrics answers anyone who reaches the port; "admin": it needs an admin key
+    # (tenants file ``admin_keys``) as a Bearer token
+    metrics_auth: str = "none"
+
+    def __post_init__(self):
+        if self.metrics_auth not in ("none", "admin"):
+            raise ValueError(f"metrics_auth must be 'none' or 'admin', got {self.metrics_auth!r}")
 
     @classmethod
     def from_args(cls, args):
@@ -263,9 +270,18 @@ class KvmeshIngress:
         # One controller per app, shared by all ingress replicas (the first one creates it).
         app_name = serve.get_replica_context().app_name
         self.pool = ControllerClient(app_name, pool_config(s, self.tenants, app_name), tenants_data, s.client_ttl_s)
+        self.pool.on_tenants = self._new_tenants
         await self.pool.connect()
         info = await self.pool.wait_ready(s.ready_timeout_s)
         self.max_model_len = int(info["max_model_len"])
+
+    def _new_tenants(self, tenants_data: dict) -> None:
+        """The controller runs a newer tenants file (another replica of a redeploy brought it):
+        authenticate with its keys from now on."""
+        try:
+            self.tenants = Tenants.from_dict(tenants_data)
+        except TenantsError:
+            log.exception("the controller's tenants data is invalid here; keeping the old one")
 
     async def __del__(self):  # Serve calls it when the replica stops: the last one stops the workers
         await self.pool.close()
@@ -295,7 +311,10 @@ class KvmeshIngress:
             raise _as_api_error(e) from None
 
     @app.get("/metrics")
-    async def metrics(self):
+    async def metrics(self, req: HttpRequest):
+        if self.settings.metrics_auth == "admin" and not self.tenants.is_admin(_bearer(req)):
+            raise ApiError(401, "/metrics needs an admin key (send Authorization: Bearer <admin key>)",
+                           code="invalid_api_key")
         snap = await self._ask("metrics_snapshot")
         text = self.metrics.render(snap["queue_depth"], snap["inflight"], snap["states"], snap["assigned"],
                                    snap["router"])
@@ -309,9 +328,11 @@ class KvmeshIngress:
 
     @app.get("/kvmesh/workers")
     async def workers(self, req: HttpRequest):
-        """Pool and engine state per worker (any valid key)."""
-        self._auth(req)
-        return await self._ask("workers_view")
+        """Pool and engine state per worker: a tenant's key sees only its own state, an admin key
+        (tenants file ``admin_keys``) everything (``policies.introspection``)."""
+        if self.tenants.is_admin(_bearer(req)):
+            return await self._ask("workers_view", None)
+        return await self._ask("workers_view", self._auth(req).name)
 
     @app.post("/v1/templates")
     async def register_template(self, req: HttpRequest):
@@ -350,7 +371,11 @@ class KvmeshIngress:
         return await self._serve(req, chat=True)
 
     def _auth(self, req: HttpRequest) -> TenantConfig:
-        tenant = self.tenants.authenticate(_bearer(req))
+        key = _bearer(req)
+        tenant = self.tenants.authenticate(key)
+        if tenant is None and self.tenants.is_admin(key):
+            raise ApiError(403, "an admin key is not a tenant: it can read /kvmesh/workers and /metrics only",
+                           type_="permission_error", code="permission_denied")
         if tenant is None:
             raise ApiError(401, "missing or unknown API key (send Authorization: Bearer <key>)",
                            code="invalid_api_key")
@@ -399,9 +424,10 @@ class KvmeshIngress:
         if tid is not None:
             approx = {"template": tid, "template_text": await self._template(tenant, tid),
                       "template_params": dict(body.kvmesh.params or {})}
+        domain, read = self.tenants.request_domains(tenant.name, body.cache_salt)
         return Request(request_id=f"{prefix}-{uuid.uuid4().hex}", prompt_ids=tuple(ids), params=params,
-                       tenant=tenant.name, share_domain=self.tenants.share_domain(tenant.name), reuse=reuse,
-                       read_domains=self.tenants.read_domains(tenant.name), remap_policy=tenant.remap_policy,
+                       tenant=tenant.name, share_domain=domain, reuse=reuse,
+                       read_domains=read, remap_policy=tenant.remap_policy,
                        recompute_ratio=tenant.recompute_ratio, **approx)
 
     async def _serve(self, req: HttpRequest, chat: bool):

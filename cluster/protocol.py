@@ -61,6 +61,8 @@ class _Body(BaseModel):
     frequency_penalty: float | None = None
     logprobs: object = None
     kvmesh: KvmeshOptions | None = None
+    # vLLM's per-user cache isolation: requests with different salts never share KV
+    cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)
 
     def unsupported(self) -> None:
         if self.n != 1:

@@ -245,9 +245,10 @@ def test_per_tenant_metrics(tiny_model):
     run(eng, [Request("y", prompt, greedy(4), tenant="A"), Request("z", prompt, greedy(5), tenant="B")])
     st = eng.stats()["tenants"]
     assert st["A"] == {"requests": 2, "prompt_tokens": 80, "cached_tokens": 32, "output_tokens": 7,
-                       "blocks_held": 2, "evictions": 0}
+                       "blocks_held": 2, "evictions": 0, "reads": {"exact": {"own": 32}, "approx": {}}}
     assert st["B"] == {"requests": 1, "prompt_tokens": 40, "cached_tokens": 0, "output_tokens": 5,
-                       "blocks_held": 2, "evictions": 0}
+                       "blocks_held": 2, "evictions": 0, "reads": {"exact": {}, "approx": {}}}
+    assert eng.stats()["cross_tenant_reads"] == {}
 
 
 # -- accounting -----------------------------------------------------------------------------
