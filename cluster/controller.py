@@ -19,7 +19,8 @@ router actor (``kvmesh-router:<app>``) are the controller's non-detached childre
 with it. If the pool fails to start, the controller stops (kills what it spawned) and exits.
 Each replica heartbeats every ``client_ttl_s / 5``; a replica silent for ``client_ttl_s`` is
 presumed dead and its leases are reclaimed (the worker aborts them). When no replica is attached
-(the last one detached in its ``__del__``, or the last one expired) the controller kills its
+(the last one expired, or the last one detached in its ``__del__`` and none attached within
+``client_ttl_s`` after it: a redeploy's new replica keeps the workers) the controller kills its
 workers and itself; a replica that comes later creates a fresh one.
 
 Invariants: every open lease belongs to exactly one attached client and holds one admission and
@@ -141,6 +142,7 @@ class Controller:
         self.templates: dict[tuple[str, str], str] = {}  # (tenant, id) -> text, POST /v1/templates
         self.tenants_version = 1  # bumped by every applied tenants change
         self._superseded: set[str] = set()  # digests of tenants data replaced by a newer deploy
+        self._detached_at: float | None = None  # when the last replica detached (None: one is attached)
         self._open: dict[str, _Open] = {}  # lease id -> owner
         self._started = self._reaping = False
         self._start_lock: asyncio.Lock | None = None
@@ -237,10 +239,12 @@ class Controller:
         return {"alive": not self._closing, "tenants_version": self.tenants_version}
 
     def detach(self, client_id: str) -> None:
-        """A replica stops: end its leases; the last one stops the controller."""
+        """A replica stops: end its leases. When it was the last one, the controller stops unless
+        a replica attaches within ``client_ttl_s``: a redeploy (Serve stops the old replica, then
+        starts the new one) keeps the workers and their caches."""
         self._drop(client_id)
         if not self.clients:
-            self._stop("the last ingress replica detached")
+            self._detached_at = time.monotonic()  # the reap loop stops us client_ttl_s from now
 
     def reap(self, now: float | None = None) -> list[str]:
         """Drop replicas silent for ``client_ttl_s`` (their leases are reclaimed); stop when none is left."""
@@ -250,7 +254,7 @@ class Controller:
             log.warning("ingress client %s silent for %.0f s: reclaiming its %d leases", cid,
                         now - self.clients[cid].last_seen, len(self.clients[cid].leases))
             self._drop(cid)
-        if not self.clients:
+        if not self.clients and (gone or self._detached_at is None or now - self._detached_at >= self.client_ttl_s):
             self._stop("no ingress replica is left")
         return gone
 
@@ -258,6 +262,7 @@ class Controller:
         c = self.clients.get(client_id)
         if c is None:
             c = self.clients[client_id] = _Client(time.monotonic())
+            self._detached_at = None
         c.last_seen = time.monotonic()
         return c
 
