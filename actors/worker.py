@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import ray
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineDead
 from engine.kv_cache import KVBlocks
 from engine.llm_engine import EngineConfig
 from engine.sequence import Request, RequestOutput
@@ -69,9 +69,11 @@ class Worker:
         self._aborted: OrderedDict[str, None] = OrderedDict()  # aborts of requests not (yet) in the engine
 
     def ready(self) -> dict:
+        self._check_alive()
         e = self.engine.engine
         return {"worker_id": self.worker_id, "model": e.loaded.name, "model_id": e.loaded.model_id,
                 "max_model_len": e.max_model_len, "block_size": e.config.block_size,
+                "vocab_size": int(e.loaded.model.config.vocab_size),
                 "kv_bytes_per_token": e.cache.bytes_per_block(e.cache.num_layers, 1, e.cache.num_kv_heads,
                                                               e.cache.head_dim, e.cache.dtype),
                 "node_id": self.node_id, "pid": os.getpid()}
@@ -271,7 +273,22 @@ class Worker:
         return True
 
     def set_faults(self, faults: list[str]) -> None:
+        """Test hooks: "export" / "export_donor" make those calls fail; "engine_death" ends the
+        engine loop now (as a fatal step error would)."""
         self.faults = set(faults)
+        if "engine_death" in self.faults:
+            self.engine.die(RuntimeError("simulated engine death"))
+
+    def _check_alive(self) -> None:
+        if not self.engine.alive:
+            raise EngineDead(f"the engine of worker {self.worker_id} died: {self.engine.error!r}")
+
+    async def health(self) -> dict:
+        """Raises EngineDead once the engine loop died (the pool then replaces this worker);
+        else the engine's load (running and waiting requests), read on the engine thread."""
+        self._check_alive()
+        return await self.engine.call(lambda e: {"alive": True, "running": len(e.scheduler.running),
+                                                 "waiting": len(e.scheduler.waiting)})
 
     def attach_router(self, handle=None) -> bool:
         """Report prefills and transfers to the router actor (fire and forget)."""

@@ -29,12 +29,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cluster.metrics import CONTENT_TYPE_LATEST, Metrics
 import ray
 
-from cluster.controller import ConfigMismatch, ControllerClient, ControllerClosing, Rejected
+from cluster import safe_json
+from cluster.controller import ConfigMismatch, ControllerClient, ControllerClosing, Rejected, TemplateQuotaExceeded
+from cluster.input_limits import ENCODE_INLINE_CHARS, InputLimits, _vocab_size, check_template, read_body
 from cluster.pool import PoolConfig, WorkerUnavailable
 from cluster.protocol import (DONE, ApiError, ChatBody, CompletionBody, Served, chunk, completion_response,
                               error_event, parse_body, usage)
 from engine.approx import ApproxConfig
-from engine.llm_engine import EngineConfig
+from engine.async_engine import EngineDead, EngineStepFailed
+from engine.fault_isolation import RequestFailed
+from engine.llm_engine import EngineConfig, check_sampling_limits
+from engine.redact import redact
 from engine.sequence import InvalidRequest, Request, SamplingParams
 from policies.autoscale import AutoscaleConfig
 from policies.tenancy import TenantConfig, Tenants, TenantsError, read_tenants_file, tenants_path
@@ -66,6 +71,7 @@ class AppSettings:
     default_chat_max_tokens: int = 512  # chat requests without max_tokens: min(this, room left)
     ready_timeout_s: float = 600.0
     client_ttl_s: float = 30.0  # an ingress replica silent this long is presumed dead (its leases reclaimed)
+    max_body_bytes: int | None = None  # request bodies larger get a 413; None: 2 MiB + 64 bytes per context token
     # "none": /metrics answers anyone who reaches the port; "admin": it needs an admin key
     # (tenants file ``admin_keys``) as a Bearer token
     metrics_auth: str = "none"
@@ -234,6 +240,14 @@ class _Ctx:
             self._done(last if code == 200 else None, code)
 
 
+def _last_line(e: BaseException) -> str:
+    """The cause's own message of a (possibly Ray-wrapped) exception, bounded."""
+    lines = [x for x in str(e).splitlines() if x.strip()]
+    last = lines[-1].strip() if lines else type(e).__name__
+    head, sep, rest = last.partition(": ")
+    return (rest if sep and head.isidentifier() else last)[:300]
+
+
 def _as_api_error(e: BaseException) -> ApiError:
     """The OpenAI error for ``e``: 4xx for the client's mistakes, 503 when the controller or a
     worker is unavailable, too slow or being replaced, else 500 ``internal_error`` (logged with
@@ -243,6 +257,13 @@ def _as_api_error(e: BaseException) -> ApiError:
     if isinstance(e, InvalidRequest):
         msg = str(e).splitlines()[-1] if str(e) else "invalid request"
         return ApiError(400, msg.split("InvalidRequest: ")[-1])
+    if isinstance(e, RequestFailed):
+        return ApiError(500, _last_line(e), type_="server_error", code="request_failed")
+    if isinstance(e, (EngineStepFailed, EngineDead)):
+        return ApiError(503, f"the worker's engine failed; retry the request ({_last_line(e)[:200]})",
+                        type_="server_error", code="engine_failed")
+    if isinstance(e, TemplateQuotaExceeded):
+        return ApiError(429, str(e), type_="requests", code="template_quota_exceeded", param="id")
     if isinstance(e, WorkerUnavailable):
         return ApiError(503, str(e), type_="server_error", code="worker_unavailable")
     if isinstance(e, (asyncio.TimeoutError, TimeoutError, ray.exceptions.GetTimeoutError)):
@@ -255,7 +276,7 @@ def _as_api_error(e: BaseException) -> ApiError:
         log.error("kvmesh replica refused by its controller: %s", e)
         return ApiError(503, f"this replica cannot attach to the kvmesh controller: {e}", type_="server_error",
                         code="controller_unavailable")
-    log.error("request failed", exc_info=e)
+    log.error("request failed: %s", redact(repr(e), 300))
     return ApiError(500, f"internal error: {type(e).__name__}", type_="server_error", code="internal_error")
 
 
@@ -263,17 +284,26 @@ def _as_api_error(e: BaseException) -> ApiError:
 @serve.ingress(app)
 class KvmeshIngress:
     async def __init__(self, settings: dict, tenants_data: dict):
-        self.settings = s = AppSettings(**settings)
-        self.tenants = Tenants.from_dict(tenants_data)
-        self.model_name, self.tokenizer = load_tokenizer(s.model)
-        self.metrics = Metrics(self.tenants.names())
+        s = AppSettings(**settings)
+        tenants = Tenants.from_dict(tenants_data)
         # One controller per app, shared by all ingress replicas (the first one creates it).
         app_name = serve.get_replica_context().app_name
-        self.pool = ControllerClient(app_name, pool_config(s, self.tenants, app_name), tenants_data, s.client_ttl_s)
-        self.pool.on_tenants = self._new_tenants
-        await self.pool.connect()
-        info = await self.pool.wait_ready(s.ready_timeout_s)
+        pool = ControllerClient(app_name, pool_config(s, tenants, app_name), tenants_data, s.client_ttl_s)
+        pool.on_tenants = self._new_tenants
+        await pool.connect()
+        if pool.tenants_data != tenants_data:  # the controller runs a newer tenants file: take it
+            tenants = Tenants.from_dict(pool.tenants_data)
+        self._setup(s, tenants, pool, await pool.wait_ready(s.ready_timeout_s))
+
+    def _setup(self, s: AppSettings, tenants: Tenants, pool, info: dict) -> None:
+        """The replica's state, given its controller client ``pool`` and a ready worker's
+        ``info`` (also used by in-process tests with a stand-in pool)."""
+        self.settings, self.tenants, self.pool = s, tenants, pool
+        self.model_name, self.tokenizer = load_tokenizer(s.model)
+        self.metrics = Metrics(self.tenants.names())
         self.max_model_len = int(info["max_model_len"])
+        self.vocab_size = int(info.get("vocab_size") or _vocab_size(self.tokenizer))
+        self.limits = InputLimits.derive(self.max_model_len, self.tokenizer, s.max_body_bytes)
 
     def _new_tenants(self, tenants_data: dict) -> None:
         """The controller runs a newer tenants file (another replica of a redeploy brought it):
@@ -343,14 +373,13 @@ class KvmeshIngress:
 
         tenant = self._auth(req)
         try:
-            import json
-
-            body = json.loads(await req.body())
-        except ValueError:
-            raise ApiError(400, "the body must be JSON") from None
+            body = safe_json.loads(await read_body(req, self.limits.max_body_bytes))
+        except safe_json.BadJson as e:
+            raise ApiError(400, str(e)) from None
         tid, text = (body.get("id"), body.get("template")) if isinstance(body, dict) else (None, None)
         if not (isinstance(tid, str) and tid and isinstance(text, str) and text):
             raise ApiError(400, 'expected {"id": "<template id>", "template": "text with {param} spans"}')
+        check_template(tid, text)
         params = list(Template.parse(tid, text).params)
         await self._ask("register_template", tenant.name, tid, text)
         return {"object": "template", "id": tid, "tenant": tenant.name, "params": params}
@@ -381,26 +410,41 @@ class KvmeshIngress:
                            code="invalid_api_key")
         return tenant
 
-    def _prompt_ids(self, body, chat: bool) -> list[int]:
+    async def _prompt_ids(self, body, chat: bool) -> list[int]:
+        """The prompt's token ids. Text longer than the context could hold in any tokenization is
+        refused before tokenizing (``InputLimits.max_prompt_chars``); long text is tokenized on a
+        thread, never on the event loop; token-id prompts must lie in the vocabulary."""
         tok = self.tokenizer
+        param = "messages" if chat else "prompt"
         if chat:
             msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+            self.limits.check_chars(sum(len(m["content"]) for m in msgs), self.max_model_len, param)
             try:
                 text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
             except Exception as e:  # noqa: BLE001 - template errors are the client's messages
-                raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
-            return list(tok.encode(text, add_special_tokens=False))
+                raise ApiError(400, f"cannot apply the chat template: {redact(str(e))}", param="messages") from None
+            return await self._encode(text, add_special_tokens=False)
         p = body.prompt
         if isinstance(p, list) and p and isinstance(p[0], int):
+            bad = next((t for t in p if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ApiError(400, f"prompt token ids must be integers in [0, {self.vocab_size}); got "
+                               f"{redact(bad, 24)}", param="prompt")
             return list(p)
         text = p[0] if isinstance(p, list) and p else p if isinstance(p, str) else ""
-        return list(tok.encode(text, add_special_tokens=True))
+        self.limits.check_chars(len(text), self.max_model_len, param)
+        return await self._encode(text, add_special_tokens=True)
+
+    async def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if len(text) <= ENCODE_INLINE_CHARS:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return list(await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens))
 
     async def _build(self, tenant: TenantConfig, body, chat: bool) -> Request:
         if body.model not in (self.model_name, "default"):
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            code="model_not_found", param="model")
-        ids = self._prompt_ids(body, chat)
+        ids = await self._prompt_ids(body, chat)
         n = len(ids)
         if n == 0:
             raise ApiError(400, "the prompt is empty", param="prompt")
@@ -415,8 +459,9 @@ class KvmeshIngress:
                            f"{self.max_model_len} tokens", code="context_length_exceeded", param="max_tokens")
         try:
             params = SamplingParams(**body.sampling(requested))
+            check_sampling_limits(params)
         except InvalidRequest as e:
-            raise ApiError(400, str(e)) from None
+            raise ApiError(400, redact(str(e), 300)) from None
         reuse = (body.kvmesh.reuse if body.kvmesh and body.kvmesh.reuse else None) or tenant.reuse
         prefix = "chatcmpl" if chat else "cmpl"
         tid = body.kvmesh.template if body.kvmesh else None
@@ -436,7 +481,7 @@ class KvmeshIngress:
         try:
             tenant = self._auth(req)
             tenant_name = tenant.name
-            body = parse_body(await req.body(), ChatBody if chat else CompletionBody)
+            body = parse_body(await read_body(req, self.limits.max_body_bytes), ChatBody if chat else CompletionBody)
             request = await self._build(tenant, body, chat)
         except Exception as e:  # noqa: BLE001 - counted, and always an OpenAI error body
             err = _as_api_error(e)

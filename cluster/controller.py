@@ -64,6 +64,14 @@ class Rejected(Exception):
         self.reason, self.retry_after_s = reason, retry_after_s
 
 
+TEMPLATES_PER_TENANT = 256
+TEMPLATE_CHARS_PER_TENANT = 4 << 20
+
+
+class TemplateQuotaExceeded(Exception):
+    """A tenant's registered templates would exceed its count or size limit (HTTP 429)."""
+
+
 class ControllerClosing(RuntimeError):
     """The controller is stopping (its last client left); connect again for a fresh one."""
 
@@ -385,6 +393,25 @@ class Controller:
                 "admitted": dict(self.admission.inflight), "closing": self._closing}
 
     def register_template(self, tenant: str, template_id: str, text: str) -> None:
+        """Keep ``text`` as ``tenant``'s template ``template_id`` (replacing one of that id).
+        Bounded per tenant: at most ``TEMPLATES_PER_TENANT`` ids (``TemplateQuotaExceeded``
+        beyond) and ``TEMPLATE_CHARS_PER_TENANT`` characters of text (the same), each text at most
+        ``MAX_TEMPLATE_CHARS`` characters (InvalidRequest); one tenant cannot grow the
+        controller's memory for all."""
+        from cluster.input_limits import MAX_TEMPLATE_CHARS
+
+        if tenant not in self.tenants.names():
+            raise InvalidRequest(f"unknown tenant {tenant!r}")
+        if len(text) > MAX_TEMPLATE_CHARS:
+            raise InvalidRequest(f"a template has at most {MAX_TEMPLATE_CHARS} characters")
+        mine = {tid: t for (ten, tid), t in self.templates.items() if ten == tenant}
+        if template_id not in mine and len(mine) >= TEMPLATES_PER_TENANT:
+            raise TemplateQuotaExceeded(f"tenant {tenant!r} already has {len(mine)} templates (the limit); "
+                                        "re-register an existing id to replace it")
+        size = sum(len(t) for tid, t in mine.items() if tid != template_id) + len(text)
+        if size > TEMPLATE_CHARS_PER_TENANT:
+            raise TemplateQuotaExceeded(f"tenant {tenant!r}'s templates would hold {size} characters, more than "
+                                        f"the limit of {TEMPLATE_CHARS_PER_TENANT}")
         self.templates[(tenant, template_id)] = text
 
     def template(self, tenant: str, template_id: str) -> str | None:

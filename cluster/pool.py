@@ -43,6 +43,7 @@ from typing import AsyncIterator, Protocol, Sequence
 import ray
 
 from actors.worker import worker_actor_class
+from engine.async_engine import EngineDead
 from engine.llm_engine import EngineConfig
 from engine.sequence import InvalidRequest, Request, RequestOutput
 from policies.autoscale import AutoscaleConfig, ScaleDecision, TenantAutoscaler, TenantDemand, TenantShare
@@ -114,6 +115,8 @@ class PoolConfig:
     # least-loaded routing and no index/router actors.
     cost_aware_routing: bool = True
     probe_interval_s: float = 30.0  # light link probes between workers on different nodes (0: off)
+    health_interval_s: float = 2.0  # ask each ready worker whether its engine lives (0: off)
+    health_timeout_s: float = 10.0  # a slower answer is not a death (unreachable != dead)
 
 
 def resolve_pool_config(config: PoolConfig, cluster_gpus: float | None = None) -> PoolConfig:
@@ -185,6 +188,8 @@ class WorkerPool:
         if self.config.cost_aware_routing and self.config.probe_interval_s > 0:
             task = asyncio.create_task(self._probe_loop())
             self._tasks.add(task)
+        if self.config.health_interval_s > 0:
+            self._tasks.add(asyncio.create_task(self._health_loop()))
 
     async def wait_ready(self, timeout: float | None = None) -> bool:
         try:
@@ -249,6 +254,47 @@ class WorkerPool:
         if not isinstance(self.router, CostAwareRouter):
             self.router = CostAwareRouter(ws.info["model_id"], ws.info["block_size"], self._index,
                                           self._router_client, self.workers.get)
+
+    async def check_health(self) -> list[str]:
+        """Ask every ready worker for its health; retire (and replace) those whose engine died.
+        A worker that is slow or unreachable stays (it may recover). Returns the retired ids."""
+        ready = [w for w in self.workers.values() if w.info is not None and not w.dead]
+
+        async def one(w: WorkerState):
+            try:
+                await asyncio.wait_for(_aref(w.actor.health.remote()), self.config.health_timeout_s)
+                return None
+            except (EngineDead, ray.exceptions.ActorDiedError) as e:
+                return e
+            except Exception:  # noqa: BLE001 - slow or unreachable: not (yet) a death
+                return None
+
+        results = await asyncio.gather(*(one(w) for w in ready))
+        gone = []
+        for w, err in zip(ready, results):
+            if err is not None and w.worker_id in self.workers:
+                self.retire(w, _first_line(err))
+                gone.append(w.worker_id)
+        return gone
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                await self.check_health()
+            except Exception:  # noqa: BLE001 - keep checking on the next tick
+                log.exception("worker health check failed")
+
+    def retire(self, ws: WorkerState, why: str) -> None:
+        """``ws`` can serve nothing any more (its engine died): kill it and start a replacement
+        when the pool is below its target. Its in-flight requests already failed (EngineDead)."""
+        log.error("worker %s is unhealthy (%s): replacing it", ws.worker_id, why)
+        self.error = f"worker {ws.worker_id} was replaced: {why}"
+        was_draining = ws.draining
+        self._mark_dead(ws)
+        target = self.last_decision.target if self.last_decision is not None else 1
+        if not was_draining and len(self.active()) < max(1, target):
+            self._spawn()
 
     def _mark_dead(self, ws: WorkerState) -> None:
         ws.dead = True
@@ -408,7 +454,7 @@ class WorkerPool:
         ws.inflight -= 1
         ws.inflight_tokens -= f.cost
         if worker_dead:
-            self._mark_dead(ws)
+            self.retire(ws, "its stream failed: the actor or its engine died")
         elif ws.draining and ws.inflight == 0:
             self._kill(ws)
 
@@ -480,6 +526,8 @@ async def stream_outputs(actor, worker_id: str, request: Request, choice: RouteC
                 return
             except ray.exceptions.ActorDiedError as e:
                 raise WorkerDied(f"worker {worker_id} died: {e}") from None
+            except EngineDead as e:  # the actor lives but its engine loop died: as good as dead
+                raise WorkerDied(f"the engine of worker {worker_id} died; retry the request ({_first_line(e)})") from None
             except ray.exceptions.RayActorError as e:
                 raise WorkerUnavailable(f"worker {worker_id} is unreachable; retry the request ({e})") from None
             finished = out.finished
@@ -500,3 +548,8 @@ async def stream_outputs(actor, worker_id: str, request: Request, choice: RouteC
 
 async def _aref(ref):
     return await ref
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [x for x in str(e).splitlines() if x.strip()]
+    return lines[-1][:200] if lines else type(e).__name__

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
+from cluster import safe_json
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 
@@ -135,9 +136,9 @@ class ChatBody(_Body):
 def parse_body(raw: bytes, cls: type[_Body]) -> _Body:
     """Parse and validate a JSON body; malformed JSON or wrong types → ApiError(400)."""
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        data = safe_json.loads(raw)  # bounded depth, no NaN/Infinity, UTF-8-clean strings
+    except safe_json.BadJson as e:
+        raise ApiError(400, str(e)) from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
     try:
@@ -145,7 +146,7 @@ def parse_body(raw: bytes, cls: type[_Body]) -> _Body:
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err.get("loc", ()))
-        raise ApiError(400, f"invalid field {loc!r}: {err.get('msg')}", param=loc or None) from None
+        raise ApiError(400, f"invalid field {loc[:100]!r}: {str(err.get('msg'))[:200]}", param=loc[:100] or None) from None
     body.unsupported()
     return body
 

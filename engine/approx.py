@@ -123,8 +123,9 @@ class ApproxReuse:
                       "shadow_checks": 0, "shadow_disagreements": 0, "shadow_skipped": 0, "shadow_dropped": 0,
                       "shadow_errors": 0}
         self.gate = QualityGate()
-        # detected-template families: (domain, sha256 of a prompt's ids) -> family key, LRU-bounded
-        self._families: OrderedDict[tuple[str, bytes], str] = OrderedDict()
+        # detected-template families per share domain: sha256 of a prompt's ids -> family key,
+        # each domain's map LRU-bounded on its own (one tenant cannot push out another's)
+        self._families: dict[str, OrderedDict[bytes, str]] = {}
 
     # -- templates ---------------------------------------------------------------------------
     def register_template(self, domain: str, template_id: str, text: str) -> None:
@@ -224,14 +225,16 @@ class ApproxReuse:
     def _family(self, request: Request, donor: Donor) -> str:
         """Gate key of an auto-detected template: the family of the matched donor (a donor
         without one founds it); the request joins it, so its own donation stays in it."""
-        fams = self._families
-        dkey = (donor.domain, _ids_digest(donor.token_ids))
-        fam = fams.get(dkey) or detected_family_key(donor.token_ids)
-        for k in (dkey, (request.domain, _ids_digest(request.prompt_ids))):
-            fams[k] = fam
-            fams.move_to_end(k)
-        while len(fams) > 16 * self.config.max_donors_per_domain:
-            fams.popitem(last=False)
+        dkey = _ids_digest(donor.token_ids)
+        fam = self._families.get(donor.domain, {}).get(dkey) or detected_family_key(donor.token_ids)
+        mine = self._families.setdefault(request.domain, OrderedDict())
+        # only the requester's own domain is written: a donor read through a grant keeps the
+        # family its owner's map gives it (or its own, by its digest)
+        for k in ((dkey,) if donor.domain == request.domain else ()) + (_ids_digest(request.prompt_ids),):
+            mine[k] = fam
+            mine.move_to_end(k)
+        while len(mine) > 16 * self.config.max_donors_per_domain:
+            mine.popitem(last=False)
         return fam
 
     # -- donors across workers (actors.slot_registry) -----------------------------------------

@@ -3,22 +3,41 @@
 Torch work releases the GIL, so one engine thread keeps an event loop (a Ray actor's or a
 web server's) responsive. All engine calls happen on the engine thread; callers only post
 commands and read per-request queues, so the engine needs no locks.
+
+Failures: a request that fails alone inside a step (``LLMEngine.take_failed``) gets its error
+on its stream; the loop goes on. A step that raises without naming a request fails every
+request in flight (they are aborted, freeing their blocks) and the loop goes on only if the
+block pool's accounting then checks out exact with nothing in use; otherwise, or when the step
+keeps failing (``EngineBroken``), the loop dies. A dead loop is final and visible: ``alive`` is
+False, every waiter and every later ``call``/``generate`` gets ``EngineDead`` at once (never a
+hang), so the worker reports itself unhealthy and the pool replaces it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from typing import AsyncIterator, Callable
 
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.llm_engine import EngineBroken, EngineConfig, LLMEngine
 from engine.model_loader import LoadedModel
 from engine.sequence import InvalidRequest, Request, RequestOutput
 
 
+log = logging.getLogger(__name__)
+
+
 class EngineDead(RuntimeError):
-    pass
+    """The engine loop has died; this engine serves nothing any more (replace the worker)."""
+
+
+class EngineStepFailed(RuntimeError):
+    """An engine step failed without naming a request: every request in flight was ended."""
+
+
+MAX_UNATTRIBUTED_FAILURES = 3  # step failures in a row not tied to one request before the loop dies
 
 
 def _settle(fut: asyncio.Future, result, exc: BaseException | None) -> None:
@@ -34,34 +53,100 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None,
                  engine: LLMEngine | None = None):
         self.engine = engine or LLMEngine(config, loaded)
-        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._commands: queue.Queue[tuple[Callable[[], None], Callable[[BaseException], None]]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._error: BaseException | None = None
+        self._kill: BaseException | None = None  # test hook (``die``): the loop raises this next
         self._stop = False
+        self.step_failures = 0  # unattributed step failures survived (all in-flight requests ended)
         self._thread = threading.Thread(target=self._loop, name="kvmesh-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """The engine loop runs (False for good once it died)."""
+        return self._error is None and self._thread.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def die(self, exc: BaseException) -> None:
+        """Fault injection: end the engine loop with ``exc`` as if a step had raised it fatally."""
+        self._kill = exc
+        self._commands.put((lambda: None, lambda _e: None))  # wake an idle loop
+
     # -- engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
+        failures = 0
         try:
             while not self._stop:
+                if self._kill is not None:
+                    raise self._kill
                 block = not self.engine.has_unfinished()
                 try:
                     cmd = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
                 except queue.Empty:
                     cmd = None
                 while cmd is not None:
-                    cmd()
+                    cmd[0]()
                     try:
                         cmd = self._commands.get_nowait()
                     except queue.Empty:
                         cmd = None
-                for out in self.engine.step():
+                if self._kill is not None:
+                    raise self._kill
+                try:
+                    outs = self.engine.step()
+                except EngineBroken:
+                    raise
+                except Exception as e:  # noqa: BLE001 - not tied to one request: end them all, check, go on
+                    failures += 1
+                    if failures >= MAX_UNATTRIBUTED_FAILURES or not self._recover(e):
+                        raise
+                    continue
+                failures = 0
+                for out in outs:
                     self._deliver(out)
-        except BaseException as e:  # pragma: no cover - surfaced to every waiter
+                for rid, err in self.engine.take_failed():
+                    self._deliver_exc(rid, err)
+        except BaseException as e:  # noqa: BLE001 - surfaced to every waiter and every later call
             self._error = e
+            log.error("engine loop died: %r", e, exc_info=e)
             for rid in list(self._streams):
                 self._deliver_exc(rid, EngineDead(f"engine loop died: {e!r}"))
+            self._fail_pending()
+
+    def _recover(self, err: BaseException) -> bool:
+        """After a step raised ``err`` without naming a request: abort every request in flight
+        (their streams get ``EngineStepFailed``) and report whether the pool's accounting is exact
+        with nothing in use, i.e. whether the engine may go on."""
+        log.warning("engine step failed (%s): ending the %d requests in flight", type(err).__name__,
+                    len(self.engine.seqs), exc_info=err)
+        try:
+            for rid in list(self.engine.seqs):
+                self.engine.abort(rid)
+                self._deliver_exc(rid, EngineStepFailed(
+                    f"an engine step failed ({type(err).__name__}); the request was ended, retry it"))
+            for rid, e in self.engine.take_failed():
+                self._deliver_exc(rid, e)
+            self.engine.pool.check_invariants()
+            ok = self.engine.pool.num_in_use() == 0 and not self.engine.scheduler.has_unfinished()
+        except Exception as e:  # noqa: BLE001 - cannot even clean up: the loop dies
+            log.error("engine recovery failed: %r", e)
+            return False
+        self.step_failures += ok
+        return ok
+
+    def _fail_pending(self) -> None:
+        """Fail every queued command with EngineDead (the loop will never run them)."""
+        exc = EngineDead(f"engine loop died: {self._error!r}")
+        while True:
+            try:
+                _, fail = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            fail(exc)
 
     def _deliver(self, out: RequestOutput) -> None:
         entry = self._streams.get(out.request_id)
@@ -79,9 +164,12 @@ class AsyncEngine:
 
     # -- caller side -----------------------------------------------------------------------
     def call(self, fn: Callable[[LLMEngine], object]) -> "asyncio.Future":
-        """Run ``fn(engine)`` on the engine thread; await the result."""
+        """Run ``fn(engine)`` on the engine thread; await the result (EngineDead once the loop died)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
+        if self._error is not None:
+            fut.set_exception(EngineDead(f"engine loop died: {self._error!r}"))
+            return fut
 
         def run():
             try:
@@ -91,7 +179,12 @@ class AsyncEngine:
             else:
                 loop.call_soon_threadsafe(_settle, fut, res, None)
 
-        self._commands.put(run)
+        def fail(exc: BaseException):
+            loop.call_soon_threadsafe(_settle, fut, None, exc)
+
+        self._commands.put((run, fail))
+        if self._error is not None:  # died while we queued: the loop will not drain it any more
+            self._fail_pending()
         return fut
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
@@ -121,7 +214,8 @@ class AsyncEngine:
         finally:
             if not finished:
                 self._streams.pop(request.request_id, None)
-                self._commands.put(lambda: self.engine.abort(request.request_id))
+                if self._error is None:
+                    self._commands.put((lambda: self.engine.abort(request.request_id), lambda _e: None))
 
     async def abort(self, request_id: str) -> None:
         out = await self.call(lambda e: e.abort(request_id))

@@ -8,12 +8,12 @@ Invariants:
   * every block is in exactly one state: free (no hash, refcount 0, in ``_free``),
     cached-evictable (hash, refcount 0, owned by the eviction policy), or in use (refcount > 0);
   * a block's hash never changes while it is cached; ``_cached[h].block_hash == h``;
-  * ``num_free_blocks()`` = free + cached-evictable blocks = the most ``allocate`` can get;
-    ``num_free_blocks(tenant)`` = what ``tenant`` may take without touching another tenant's
-    guaranteed minimum. Callers that honour minimums (the scheduler, through
-    ``KVManager.blocks_needed``) check it before allocating. When no block is in use at all, it
-    equals ``num_free_blocks()``: nothing will ever be released, so a waiting request may take
-    guaranteed blocks as a last resort rather than wait forever.
+  * ``num_free_blocks()`` = free + cached-evictable blocks; ``num_free_blocks(tenant)`` = what
+    ``tenant`` may take without touching another tenant's guaranteed minimum = the most
+    ``allocate(n, tenant)`` can get. Another tenant's guaranteed blocks are never taken, not
+    even when the pool is idle: a request that could only fit that way is refused up front
+    (``capacity(tenant)``, checked by ``LLMEngine.validate``), so every admitted request fits
+    once the requests in use release their blocks, and none has to wait forever.
 Side effects on the prefix cache become data: ``take_events()`` drains stored/removed events
 (published in batches to the global index).
 """
@@ -127,9 +127,14 @@ class BlockPool:
     # -- queries ---------------------------------------------------------------------------
     def num_free_blocks(self, tenant: TenantId | None = None) -> int:
         """Free + evictable blocks; for a ``tenant``, only those it may take (see module doc)."""
-        if tenant is None or self._num_in_use == 0:
+        if tenant is None:
             return len(self._free) + self.eviction.num_evictable()
         return len(self._free) + self.eviction.num_evictable_for(tenant)
+
+    def capacity(self, tenant: TenantId) -> int:
+        """The most blocks ``tenant`` can ever hold at once: the pool minus every other tenant's
+        guaranteed minimum (blocks it may keep cached whatever ``tenant`` needs)."""
+        return max(0, self.num_blocks - self.eviction.guaranteed_for_others(tenant))
 
     def num_in_use(self) -> int:
         """Blocks with refcount > 0."""
@@ -151,19 +156,17 @@ class BlockPool:
 
     # -- verbs -----------------------------------------------------------------------------
     def allocate(self, n: int, tenant: TenantId) -> list[Block]:
-        """Take ``n`` blocks (refcount 1), evicting cached blocks chosen by the policy.
-
-        Other tenants' guaranteed blocks are taken only when nothing else is left; a caller that
-        honours minimums checks ``num_free_blocks(tenant)`` first. Raises NoFreeBlocks, changing
-        nothing, when ``n > num_free_blocks()``.
+        """Take ``n`` blocks (refcount 1), evicting cached blocks chosen by the policy, never
+        another tenant's guaranteed ones. Raises NoFreeBlocks, changing nothing, when
+        ``n > num_free_blocks(tenant)``.
         """
-        if n > self.num_free_blocks():
-            raise NoFreeBlocks(f"need {n} blocks, {self.num_free_blocks()} free")
+        if n > self.num_free_blocks(tenant):
+            raise NoFreeBlocks(f"need {n} blocks, {self.num_free_blocks(tenant)} free for tenant {tenant!r}")
         out: list[Block] = []
         now = self.clock()
         for _ in range(n):
             if not self._free:
-                victim = self.eviction.pop_victim(tenant, now, last_resort=True)
+                victim = self.eviction.pop_victim(tenant, now)
                 assert victim is not None, "num_free_blocks() counted a block the policy cannot give"
                 self._evict(self.blocks[victim])
             block = self.blocks[self._free.pop()]

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.approx import ApproxConfig, ApproxReuse, ShadowJob
+from engine.fault_isolation import RequestFailed, forward_isolating, per_item
 from engine.block_pool import BlockHash, BlockPool, prompt_chains
 from engine.kv_cache import KVBlocks, PagedKVCache, token_slots
 from engine.kv_manager import KVManager
@@ -22,6 +23,13 @@ from engine.sequence import REUSE_MODES, InvalidRequest, Request, RequestOutput,
 from engine.tokenizer import IncrementalDetokenizer
 from policies.eviction import TenantEvictionPolicy, TenantQuota
 from policies.tenancy import read_label
+
+
+MAX_FAILED_STEPS = 3  # steps in a row failing every request in them: the engine is broken, not a request
+
+
+class EngineBroken(RuntimeError):
+    """Every request failed in several steps in a row: the engine itself is broken."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,10 @@ class LLMEngine:
         self.approx_reads: dict[tuple[str, str], int] = {}
         self.num_steps = 0
         self._shadow_jobs: deque[ShadowJob] = deque()  # quality-gate checks of finished requests
+        self._failed: list[tuple[str, RequestFailed]] = []  # requests that failed alone (take_failed)
+        self._failed_steps = 0  # consecutive steps in which every request failed
+        self.num_failed = 0
+        self.optional_failures: dict[str, int] = {}  # donations/approximate builds skipped on an error
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -117,6 +129,14 @@ class LLMEngine:
             raise InvalidRequest(
                 f"prompt ({n} tokens) + max_tokens ({request.params.max_tokens}) exceeds the context of "
                 f"{self.max_model_len} tokens")
+        check_sampling_limits(request.params)
+        bs = self.config.block_size
+        need, cap = -(-(n + request.params.max_tokens) // bs), self.pool.capacity(request.tenant)
+        if need > cap:
+            raise InvalidRequest(
+                f"prompt ({n} tokens) + max_tokens ({request.params.max_tokens}) needs {need} KV blocks; tenant "
+                f"{request.tenant!r} may hold at most {cap} of this worker's {self.pool.num_blocks} (the rest is "
+                f"other tenants' guaranteed minimum): at most {cap * bs} tokens in all")
         if request.reuse not in REUSE_MODES:
             raise InvalidRequest(f"reuse must be one of {REUSE_MODES}, got {request.reuse!r}")
         check_approx_fields(request)
@@ -156,32 +176,80 @@ class LLMEngine:
             start = seq.num_computed
             want = start + n == len(seq.tokens)
             chunks.append((seq.tokens[start : start + n], start, want, [b.block_id for b in seq.blocks]))
-        batch = build_batch(chunks, self.config.block_size, self.config.device)
         t0 = time.perf_counter()
-        logits = self.runner.forward(batch)
+        rows = forward_isolating(lambda cs: self.runner.forward(build_batch(cs, self.config.block_size, self.config.device)),
+                                 chunks, [want for _, _, want, _ in chunks])
         dt = time.perf_counter() - t0
         total = sum(n for _, n in scheduled)
         self.num_steps += 1
+        failed = [(seq, row) for (seq, _), row in zip(scheduled, rows) if isinstance(row, BaseException)]
+        for seq, err in failed:
+            self._fail(seq, "forward", err)
         for seq, n in scheduled:
             if seq.first_token_at is None:
                 seq.prefill_s += dt * n / total
-        sampled_seqs = []
-        for (seq, n), (_, _, want, _) in zip(scheduled, chunks):
+        sampled_seqs, wanted = [], []
+        for (seq, n), (_, _, want, _), row in zip(scheduled, chunks, rows):
+            if isinstance(row, BaseException):
+                continue
             seq.num_computed += n
             if not seq.approx_kv:  # approximate KV must never enter the exact prefix cache
                 self.kv.commit(seq)
             if want:
                 sampled_seqs.append(seq)
+                wanted.append(row)
                 if seq.num_output == 0 and not seq.approx_kv and self.approx is not None \
                         and seq.request.reuse == "approximate":
-                    self._donate(seq)
+                    self._guarded(seq, "donation", self._donate)
+        logits = torch.stack(wanted) if wanted else None
         for i, seq in enumerate(sampled_seqs):
             if seq.shadow is not None:  # quality gate: the exact argmax of every output step
                 seq.shadow_argmax.append(int(logits[i].argmax()))
                 if seq.shadow_first_logits is None:
                     seq.shadow_first_logits = logits[i].float().clone()
-        tokens = sample(logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs])
-        return early + [self._append(seq, tok) for seq, tok in zip(sampled_seqs, tokens)]
+        tokens = per_item(lambda ix: sample(logits[ix], [sampled_seqs[i].params for i in ix],
+                                            [sampled_seqs[i].generator for i in ix]), len(sampled_seqs))
+        outs = []
+        for seq, tok in zip(sampled_seqs, tokens):
+            if isinstance(tok, BaseException):
+                self._fail(seq, "sampling", tok)
+                failed.append((seq, tok))
+            else:
+                outs.append(self._append(seq, tok))
+        self._failed_steps = self._failed_steps + 1 if failed and len(failed) == len(scheduled) else 0
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise EngineBroken(f"{self._failed_steps} steps in a row failed for every request in them "
+                               f"(last: {failed[-1][1]!r})")
+        return early + outs
+
+    # -- failures of one request (engine/fault_isolation.py) --------------------------------
+    def _fail(self, seq: Sequence, where: str, err: BaseException) -> None:
+        """End ``seq`` with an error of its own (its blocks freed); the step goes on for others.
+        ``take_failed`` hands the error to whoever streams the request."""
+        logging.getLogger(__name__).warning("request %s failed in %s: %s", seq.request_id, where,
+                                            type(err).__name__, exc_info=err)
+        if self.seqs.pop(seq.request_id, None) is not None or seq in self.scheduler.running \
+                or seq in self.scheduler.waiting:
+            self.scheduler.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "error"
+        self.num_failed += 1
+        self._failed.append((seq.request_id, RequestFailed(
+            f"the request failed in the engine's {where} ({type(err).__name__}); other requests were not affected")))
+
+    def _guarded(self, seq: Sequence, where: str, fn) -> bool:
+        """``fn(seq)`` for an optional extra (donation): a failure is logged and skipped."""
+        try:
+            fn(seq)
+            return True
+        except Exception as e:  # noqa: BLE001 - an optional extra never fails the request or the step
+            self.optional_failures[where] = self.optional_failures.get(where, 0) + 1
+            logging.getLogger(__name__).warning("%s for request %s failed: %r", where, seq.request_id, e)
+            return False
+
+    def take_failed(self) -> list[tuple[str, RequestFailed]]:
+        """Requests that failed alone since the last call: (request id, error)."""
+        out, self._failed = self._failed, []
+        return out
 
     # -- approximate reuse (engine/approx.py) -----------------------------------------------
     def _admit_approximate(self) -> list[RequestOutput]:
@@ -204,16 +272,23 @@ class LLMEngine:
                 gain = sum(1 for i in range(hit_tokens, m.suffix_start) if m.plan.src[i] is not None)
                 return hit_tokens <= m.plan.exact_prefix and gain >= self.config.approx.min_gain_tokens
 
-            m = self.approx.match(seq.request, worth)
-            if m is None:
-                continue  # no donor, not worth it (the exact prefix cache serves nearly as much), or gated
-            if m.shadow:  # the quality gate measures this template: run exactly, check once finished
-                seq.shadow = m
-                continue
-            if self.kv.blocks_needed(seq, n, hit) > self.pool.num_free_blocks():
-                continue
             t0 = time.perf_counter()
-            res = self.approx.build(seq.request, m)
+            try:  # one request's approximate path failing = that request runs exactly
+                m = self.approx.match(seq.request, worth)
+                if m is None:
+                    continue  # no donor, not worth it (the exact prefix cache serves nearly as much), or gated
+                if m.shadow:  # the quality gate measures this template: run exactly, check once finished
+                    seq.shadow = m
+                    continue
+                if self.kv.blocks_needed(seq, n, hit) > self.pool.num_free_blocks():
+                    continue
+                res = self.approx.build(seq.request, m)
+            except Exception as e:  # noqa: BLE001
+                seq.shadow = None
+                self.optional_failures["approximate"] = self.optional_failures.get("approximate", 0) + 1
+                logging.getLogger(__name__).warning("approximate reuse for %s failed, running it exactly: %r",
+                                                    seq.request_id, e)
+                continue
             dt = time.perf_counter() - t0
             self.scheduler.waiting.remove(seq)
             self.kv.admit(seq, hit)
@@ -232,8 +307,11 @@ class LLMEngine:
             seq.prefill_s = dt
             seq.status = SequenceStatus.RUNNING
             self.scheduler.running.append(seq)
-            tok = sample(res.logits[None], [seq.params], [seq.generator])[0]
-            outs.append(self._append(seq, tok))
+            tok = per_item(lambda ix: sample(res.logits[None], [seq.params], [seq.generator]), 1)[0]
+            if isinstance(tok, BaseException):
+                self._fail(seq, "sampling", tok)
+            else:
+                outs.append(self._append(seq, tok))
         return outs
 
     def _donate(self, seq: Sequence) -> None:
@@ -466,6 +544,7 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
+            "failed_requests": self.num_failed, "optional_failures": dict(self.optional_failures),
             "tenants": {
                 t: {**vars(m), "blocks_held": self.pool.eviction.held.get(t, 0),
                     "evictions": self.pool.stats.get(t).evictions if t in self.pool.stats else 0,
@@ -479,6 +558,16 @@ class LLMEngine:
 
 
 
+SEED_RANGE = 2 ** 64  # torch.Generator.manual_seed takes [0, 2**64)
+
+
+def check_sampling_limits(params) -> None:
+    """Raise InvalidRequest for sampling values the engine cannot run (a seed torch refuses)."""
+    seed = params.seed
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < SEED_RANGE):
+        raise InvalidRequest(f"seed must be an integer in [0, 2**64), got {str(seed)[:40]}")
+
+
 def check_approx_fields(request: Request) -> None:
     """Raise InvalidRequest for malformed approximate-reuse fields (ignored unless approximate)."""
     from policies.remap import REMAP_POLICIES
@@ -490,6 +579,20 @@ def check_approx_fields(request: Request) -> None:
         raise InvalidRequest(f"recompute_ratio must be in [0, 1], got {r!r}")
     if request.template is not None and not isinstance(request.template, str):
         raise InvalidRequest("template must be a string id")
+    texts = [request.template, request.template_text, request.share_domain, request.tenant]
+    if isinstance(request.template_params, dict):
+        texts += [x for kv in request.template_params.items() for x in kv]
+    if not all(_utf8(t) for t in texts if isinstance(t, str)):
+        raise InvalidRequest("template ids, texts, parameters and domains must be valid Unicode text "
+                             "(no lone surrogates)")
     p = request.template_params
     if p is not None and (not isinstance(p, dict) or not all(isinstance(k, str) and isinstance(x, str) for k, x in p.items())):
         raise InvalidRequest("template params must map names to strings")
+
+
+def _utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False

@@ -56,7 +56,10 @@ class Donor:
     @cached_property
     def slot_id(self) -> str:
         """Stable id of (domain, template id, tokens): the same on every worker."""
-        h = hashlib.sha256(self.domain.encode() + b"\0" + (self.template_id or "").encode() + b"\0")
+        # surrogatepass: an id that is not valid Unicode text (rejected at the ingress and by
+        # LLMEngine.validate) must still never raise here, inside an engine step
+        h = hashlib.sha256(self.domain.encode("utf-8", "surrogatepass") + b"\0"
+                           + (self.template_id or "").encode("utf-8", "surrogatepass") + b"\0")
         h.update(np.asarray(self.token_ids, dtype=np.int64).tobytes())
         return h.hexdigest()
 

@@ -18,8 +18,9 @@ Rules for choosing a victim for a requesting tenant (first rule that yields a bl
 Blocks of other tenants at or below their minimum are never victims for someone else, with one
 exception the caller must ask for: ``last_resort=True`` adds
   5. any evictable block, lowest priority class first, LRU within it, ignoring minimums.
-The block pool uses it only when no block is in use at all: then nothing will ever be released,
-and honouring the minimums would leave the waiting request stuck forever.
+The block pool never asks for it: a request that could only fit by taking another tenant's
+guaranteed blocks is refused up front (``guaranteed_for_others`` bounds what a tenant can ever
+hold), so honouring the minimums never leaves an admitted request stuck.
 """
 
 from __future__ import annotations
@@ -114,6 +115,15 @@ class TenantEvictionPolicy:
             else:
                 n += min(len(lru), max(0, self.held.get(tenant, 0) - self.quota(tenant).min_blocks))
         return n
+
+    def guaranteed_for_others(self, tenant: TenantId) -> int:
+        """Blocks other tenants are guaranteed (their ``min_blocks``): configured tenants, plus
+        tenants on the default quota that hold blocks now."""
+        named = sum(q.min_blocks for t, q in self._quotas.items() if t != tenant)
+        default = self._default.min_blocks
+        if default:
+            named += default * sum(1 for t in self.held if t != tenant and t not in self._quotas)
+        return named
 
     def evictable_ids(self) -> set[BlockId]:
         """Every evictable block (for invariant checks)."""

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from typing import Callable, Hashable, Sequence
 
+import numpy as np
+
 TokenId = int
 
 _FIELD = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -252,27 +254,102 @@ class DetectedMatch:
     plan: RemapPlan
 
 
-def detect_template(new_ids: Sequence[int], cached: Sequence[Sequence[int]], min_run: int = 4, min_coverage: float = 0.5) -> DetectedMatch | None:
+def detect_template(new_ids: Sequence[int], cached: Sequence[Sequence[int]], min_run: int = 4, min_coverage: float = 0.5,
+                    max_compares: int = 4, max_compare_pairs: int = 1 << 20) -> DetectedMatch | None:
     """Best cached prompt that aligns with ``new_ids`` except for spans (runs < min_run dropped).
 
     The matched runs act as the template's text, the gaps as its parameters. Returns None when
     no cached prompt covers at least ``min_coverage`` of the new prompt.
+
+    Bounded work (this runs on the engine thread, for any tenant that asks): a linear pass per
+    candidate computes an upper bound on its coverage (common prefix + positions inside a
+    ``min_run``-gram the candidate also contains: every matched run of ``min_run`` or more
+    lies inside such grams); candidates that cannot reach ``min_coverage`` or beat the best so
+    far are never aligned, the rest are aligned best bound first, at most ``max_compares`` of
+    them. Each alignment (difflib) sees tokens outside shared grams as unique (they cannot be
+    in a run of ``min_run``; it would otherwise spend quadratic time on frequent tokens) and
+    at most ``max_compare_pairs`` (new x cached tokens after the common prefix): the rest of
+    the new prompt counts as unmatched (computed exactly), never as wrongly matched.
     """
-    best: DetectedMatch | None = None
+    new = list(new_ids)
+    n = len(new)
+    if n == 0 or not cached:
+        return None
+    k = max(1, min_run)
+    new_keys = _gram_keys(new, k)
+    sorted_new = np.unique(new_keys)
+    bounds = []
     for d, ids in enumerate(cached):
-        sm = SequenceMatcher(a=list(new_ids), b=list(ids), autojunk=False)
-        blocks = tuple((a, b, n) for a, b, n in sm.get_matching_blocks() if n >= min_run)
-        pre = common_prefix(new_ids, ids)
-        src: list[int | None] = [None] * len(new_ids)
-        for a, b, n in blocks:
-            for k in range(n):
-                src[a + k] = b + k
+        pre = common_prefix(new, ids)
+        keys = _gram_keys(ids, k)
+        covered = _cover(_shared(new_keys, sorted_new, keys), n, k)
+        ub = (int(covered[pre:].sum()) + pre) / n
+        if ub >= min_coverage:
+            bounds.append((-ub, d, pre, keys, covered))
+    bounds.sort(key=lambda x: (x[0], x[1]))
+    best: DetectedMatch | None = None
+    for neg_ub, d, pre, keys, covered in bounds[:max(0, max_compares)]:
+        if best is not None and -neg_ub <= best.coverage:
+            break  # no later candidate can beat the best one
+        ids = list(cached[d])
+        a = _masked(new, covered, 0)
+        b = _masked(ids, _cover(np.isin(keys, new_keys), len(ids), k), 1)
+        lb = max(1, len(b) - pre)
+        la = min(n - pre, max(k, max_compare_pairs // lb))
+        lb = min(lb, max(k, max_compare_pairs // max(1, la)))
+        sm = SequenceMatcher(a=a[pre:pre + la], b=b[pre:pre + lb], autojunk=False)
+        blocks = tuple((x + pre, y + pre, m) for x, y, m in sm.get_matching_blocks() if m >= min_run)
+        src: list[int | None] = [None] * n
+        for x, y, m in blocks:
+            for j in range(m):
+                src[x + j] = y + j
         for i in range(pre):
             src[i] = i
-        cov = sum(s is not None for s in src) / max(1, len(new_ids))
+        cov = sum(s is not None for s in src) / n
         if cov >= min_coverage and (best is None or cov > best.coverage):
             best = DetectedMatch(d, blocks, cov, RemapPlan(tuple(src), pre))
     return best
+
+
+_GRAM_MULT = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x27D4EB2F165667C5],
+                      dtype=np.uint64)
+
+
+def _gram_keys(ids: Sequence[int], k: int) -> np.ndarray:
+    """A 64-bit key per ``k``-gram of ``ids`` (a collision only loosens the bound: safe)."""
+    a = np.asarray(ids, dtype=np.int64).astype(np.uint64)
+    m = len(a) - k + 1
+    if m <= 0:
+        return np.zeros(0, dtype=np.uint64)
+    key = np.zeros(m, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for j in range(k):
+            key = (key ^ (a[j:j + m] + np.uint64(j + 1))) * _GRAM_MULT[j % len(_GRAM_MULT)]
+    return key
+
+
+def _shared(keys: np.ndarray, sorted_keys: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """``np.isin(keys, other)`` given ``sorted_keys = np.unique(keys)``, fast when few match."""
+    if len(sorted_keys) == 0 or len(other) == 0:
+        return np.zeros(len(keys), dtype=bool)
+    at = np.minimum(np.searchsorted(sorted_keys, other), len(sorted_keys) - 1)
+    common = other[sorted_keys[at] == other]
+    if len(common) == 0:
+        return np.zeros(len(keys), dtype=bool)
+    return np.isin(keys, common)
+
+
+def _cover(hits: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Positions (of a sequence of length ``n``) inside some ``k``-gram whose ``hits`` is set."""
+    if n == 0 or len(hits) == 0 or not hits.any():
+        return np.zeros(n, dtype=bool)
+    return np.convolve(hits.astype(np.int32), np.ones(k, dtype=np.int32))[:n] > 0
+
+
+def _masked(ids: list[int], covered: np.ndarray, side: int) -> list:
+    """``ids`` with every position outside a shared gram replaced by a value unique to it (and
+    to ``side``), so difflib never pairs it with anything."""
+    return [t if c else (side, i) for i, (t, c) in enumerate(zip(ids, covered.tolist()))]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -655,26 +732,30 @@ class QualityGate:
 
     Invariants: a key is OPEN only if its window holds ``samples`` checks at its current r that
     pass; samples measured at another r than the key's current one are ignored (stale: taken
-    before an escalation); keys never share state; at most ``max_keys`` keys are kept (least
-    recently decided forgotten first: a forgotten key calibrates again, it never opens without
-    checks). Pure bookkeeping: no torch, no clock.
+    before an escalation); keys never share state; at most ``max_keys`` keys are kept *per
+    share domain* (the least recently decided of that domain forgotten first: a forgotten key
+    calibrates again, it never opens without checks), so one tenant's many keys never push out
+    another tenant's calibration. Pure bookkeeping: no torch, no clock.
     """
 
     def __init__(self, max_keys: int = 4096) -> None:
         if max_keys < 1:
             raise ValueError("max_keys must be >= 1")
         self.max_keys = max_keys
-        self._keys: OrderedDict[GateKey, _Key] = OrderedDict()
+        self._keys: dict[GateKey, _Key] = {}
+        self._lru: dict[str, OrderedDict[GateKey, None]] = {}  # per domain, least recently decided first
 
     def decide(self, key: GateKey, config: GateConfig, r0: float) -> GateDecision:
         """The next request of ``key`` (which has a donor). ``config`` and ``r0`` (the tenant's
         recompute share) are read when the key is first seen."""
         k = self._keys.get(key)
+        lru = self._lru.setdefault(key[0], OrderedDict())
         if k is None:
             k = self._keys[key] = _Key(config, config.rungs(r0))
-            while len(self._keys) > self.max_keys:
-                self._keys.popitem(last=False)
-        self._keys.move_to_end(key)
+            lru[key] = None
+            while len(lru) > self.max_keys:
+                self._keys.pop(lru.popitem(last=False)[0], None)
+        lru.move_to_end(key)
         if k.state == GateState.OPEN:
             k.since_check += 1
             if k.since_check >= k.config.recheck_every:

@@ -210,24 +210,25 @@ def test_cap_is_enforced_on_release():
     pool.check_invariants()
 
 
-def test_other_tenants_minimum_is_not_free_for_me_until_the_pool_is_idle():
+def test_other_tenants_minimum_is_never_free_for_me_not_even_when_the_pool_is_idle():
     pool = make_pool({"a": TenantQuota(min_blocks=3)})
     blocks = pool.allocate(4, "a")
     h = cache_chain(pool, blocks)
     pool.free(blocks)
     assert pool.num_free_blocks() == 11
-    # idle pool: nothing will ever be released, so the minimum may be taken as a last resort
-    assert pool.num_free_blocks("b") == 11
+    # idle pool: a's 3 guaranteed blocks are still not b's (no last-resort eviction)
+    assert pool.num_free_blocks("b") == 8 and pool.capacity("b") == 8 and pool.capacity("a") == 11
     mine = pool.allocate(8, "b")  # 7 free + a's one block above its minimum (the chain's tail)
     assert pool.get_cached_block(h[3]) is None and pool.eviction.held["a"] == 3
     assert pool.num_free_blocks("b") == 0 and pool.num_free_blocks("a") == 3 and pool.num_free_blocks() == 3
-    # the pool is busy now: a's guaranteed blocks are not counted for b, but a may recycle them
+    # a may recycle its own guarantee, b may not take it
     assert pool.can_allocate(1, "a") and not pool.can_allocate(1, "b")
     pool.free(mine)
     pool.check_invariants()
-    # last resort: the pool is idle again, b takes a's guaranteed blocks rather than wait forever
-    assert pool.num_free_blocks("b") == 11
-    assert len(pool.allocate(11, "b")) == 11 and pool.eviction.held["a"] == 0
+    assert pool.num_free_blocks("b") == 8
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(9, "b")
+    assert pool.eviction.held["a"] == 3 and all(pool.get_cached_block(x) for x in h[:3])
     pool.check_invariants()
 
 

@@ -1,0 +1,97 @@
+"""The real HTTP ingress in-process, without Ray: FastAPI app + a stand-in controller client.
+
+``LocalPool`` plays ``cluster.controller.ControllerClient``: admission and templates come from a
+real ``Controller`` object (its pool is never started), generation from one in-process
+``AsyncEngine`` on tiny-llama. ``make_ingress`` builds a ``KvmeshIngress`` replica through its
+own ``_setup`` and points Serve's per-request replica lookup at it, so ``httpx.ASGITransport``
+requests run every route exactly as Serve would, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+from cluster.controller import Controller, Rejected
+from cluster.pool import RouteChoice
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import EngineConfig
+from engine.sequence import InvalidRequest
+
+TINY = "tiny-llama"
+TENANTS = {"tenants": [
+    {"name": "acme", "api_keys": ["sk-acme"], "share_with": ["globex"]},
+    {"name": "globex", "api_keys": ["sk-globex"]},
+    {"name": "limited", "api_keys": ["sk-limited"], "limits": {"requests_per_s": 0.001, "burst": 1}},
+]}
+
+
+class LocalPool:
+    """The ControllerClient surface the ingress uses, over one local engine."""
+
+    def __init__(self, engine: AsyncEngine, controller: Controller):
+        self.engine, self.controller = engine, controller
+
+    async def call(self, method: str, *args, timeout_s: float | None = None):
+        if method == "health":
+            return {"workers": 1, "ready": int(self.engine.alive), "error": None}
+        if method == "metrics_snapshot":
+            return {"queue_depth": {}, "inflight": dict(self.controller.admission.inflight),
+                    "states": {"ready": 1, "starting": 0, "draining": 0}, "assigned": {}, "router": None}
+        if method == "workers_view":
+            stats = await self.engine.call(lambda e: e.stats())
+            return {"workers": [{"worker_id": "local", "tenant": None, "ready": True, "draining": False,
+                                 "inflight": 0, "engine": stats}], "target": 1, "allocation": {}}
+        return getattr(self.controller, method)(*args)
+
+    async def generate(self, request, ready_timeout_s: float = 60.0):
+        if request.tenant not in self.controller.tenants.names():
+            raise InvalidRequest(f"unknown tenant {request.tenant!r}")
+        d = self.controller.admission.admit(request.tenant, 0.0)
+        if not d.ok:
+            raise Rejected(d.reason, d.retry_after_s)
+        lease = SimpleNamespace(worker_id="local", lease_id=request.request_id)
+        try:
+            async for out in self.engine.generate(request):
+                yield lease, RouteChoice("local"), dataclasses.replace(
+                    out, route="local" if out.num_cached_tokens else "recomputed")
+        finally:
+            self.controller.admission.release(request.tenant)
+
+    async def close(self):
+        self.engine.shutdown()
+
+
+def make_ingress(tiny_model, monkeypatch, tenants_data=TENANTS, num_blocks=64, **settings):
+    """(FastAPI app, ingress instance, AsyncEngine) for in-process requests."""
+    from ray import serve
+
+    from cluster import app as app_mod
+    from cluster.app import AppSettings, KvmeshIngress, pool_config
+    from policies.tenancy import Tenants
+
+    s = AppSettings(model=TINY, **settings)
+    tenants = Tenants.from_dict(tenants_data)
+    cfg = dataclasses.replace(pool_config(s, tenants), engine=EngineConfig(
+        model=TINY, num_blocks=num_blocks, tenant_quotas=tenants.eviction_quotas()))
+    engine = AsyncEngine(cfg.engine, loaded=tiny_model)
+    controller = Controller("local", cfg, tenants_data)
+    class LocalIngress(KvmeshIngress.func_or_class):
+        def __del__(self):  # Serve's replica shutdown hook (detach from the controller): none here
+            pass
+
+    ing = object.__new__(LocalIngress)
+    e = engine.engine
+    ing._setup(s, tenants, LocalPool(engine, controller),
+               {"max_model_len": e.max_model_len, "vocab_size": e.loaded.model.config.vocab_size})
+    monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(servable_object=ing, app_name="local"))
+    return app_mod.app, ing, engine
+
+
+async def pool_idle(engine: AsyncEngine) -> bool:
+    """Nothing in use and the pool's accounting exact (checked on the engine thread)."""
+    def check(e):
+        e.pool.check_invariants()
+        return e.pool.num_in_use() == 0 and not e.seqs and e.pool.num_free_blocks() == e.pool.num_blocks
+
+    return await engine.call(check)
