@@ -75,10 +75,11 @@ def ttft(client, key: str, prompt: list[int], salt: str | None, model: str) -> f
     with client.stream("POST", "/v1/completions", headers={"Authorization": f"Bearer {key}"}, json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:300]!r}")
-        for line in r.iter_lines():
+        lines = r.iter_lines()
+        for line in lines:
             if line.startswith("data: {"):
                 t = time.perf_counter() - t0
-                for _ in r.iter_lines():  # drain to [DONE]
+                for _ in lines:  # drain to [DONE]
                     pass
                 return t
     raise RuntimeError("the stream ended without a token")
@@ -108,10 +109,15 @@ def run_trials(client, model: str, vocab: int, n_trials: int, length: int, share
                deadline: float) -> dict[str, dict[str, list[float]]]:
     """Per condition, per arm, the attacker's TTFTs."""
     out = {c: {"hit": [], "miss": []} for c in CONDITIONS}
+    arms = {}  # balanced: per condition n_trials // 2 of each arm, in random order
+    for c in CONDITIONS:
+        arms[c] = ["hit"] * (n_trials // 2) + ["miss"] * (n_trials - n_trials // 2)
+        rng.shuffle(arms[c])
 
     def fresh(n):
         return [rng.randrange(100, vocab - 100) for _ in range(n)]
 
+    t0 = time.monotonic()
     for i in range(n_trials):
         if time.monotonic() > deadline:
             print(f"  time budget reached after {i} trials", flush=True)
@@ -125,11 +131,11 @@ def run_trials(client, model: str, vocab: int, n_trials: int, length: int, share
             if (vkey, vsalt) not in sent:  # the victim sends its prompt once per domain
                 ttft(client, vkey, secret, vsalt, model)
                 sent.add((vkey, vsalt))
-            arm = rng.choice(("hit", "miss"))
+            arm = arms[c][i]
             probe = secret[:shared] + fresh(length - shared) if arm == "hit" else fresh(length)
             out[c][arm].append(ttft(client, akey, probe, asalt, model))
         if (i + 1) % 20 == 0:
-            print(f"  {i + 1}/{n_trials} trials", flush=True)
+            print(f"  {i + 1}/{n_trials} trials ({time.monotonic() - t0:.0f} s)", flush=True)
     return out
 
 
@@ -149,10 +155,10 @@ def counters(client, ray) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--trials", type=int, default=110, help="trials of the 95%% set (arms drawn at random)")
-    ap.add_argument("--length", type=int, default=512, help="prompt tokens of the 95%% set")
+    ap.add_argument("--trials", type=int, default=200, help="trials of the 95%% set (half per arm, random order)")
+    ap.add_argument("--length", type=int, default=256, help="prompt tokens of the 95%% set")
     ap.add_argument("--share", type=float, default=0.95)
-    ap.add_argument("--short-trials", type=int, default=110, help="trials of the 16-token-prefix set")
+    ap.add_argument("--short-trials", type=int, default=200, help="trials of the 16-token-prefix set")
     ap.add_argument("--short-length", type=int, default=32)
     ap.add_argument("--short-shared", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=8)
@@ -187,7 +193,7 @@ def main() -> None:
         print(f"serving {model} on 127.0.0.1:{port}; warm-up", flush=True)
         for _ in range(args.warmup):
             ttft(client, "sk-other", [rng.randrange(100, vocab - 100) for _ in range(args.length)], None, model)
-        deadline = t_start + 0.8 * args.budget_s
+        deadline = t_start + 0.75 * args.budget_s
         shared = int(round(args.share * args.length))
         print(f"set 1: {args.length}-token prompts, {shared} shared, {args.trials} trials", flush=True)
         long = run_trials(client, model, vocab, args.trials, args.length, shared, rng, deadline)
