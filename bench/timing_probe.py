@@ -156,7 +156,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--trials", type=int, default=200, help="trials of the 95%% set (half per arm, random order)")
-    ap.add_argument("--length", type=int, default=256, help="prompt tokens of the 95%% set")
+    ap.add_argument("--length", type=int, default=128, help="prompt tokens of the 95%% set")
     ap.add_argument("--share", type=float, default=0.95)
     ap.add_argument("--short-trials", type=int, default=200, help="trials of the 16-token-prefix set")
     ap.add_argument("--short-length", type=int, default=32)

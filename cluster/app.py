@@ -293,6 +293,7 @@ class KvmeshIngress:
         await pool.connect()
         if pool.tenants_data != tenants_data:  # the controller runs a newer tenants file: take it
             tenants = Tenants.from_dict(pool.tenants_data)
+            pool.config = pool_config(s, tenants, app_name)
         self._setup(s, tenants, pool, await pool.wait_ready(s.ready_timeout_s))
 
     def _setup(self, s: AppSettings, tenants: Tenants, pool, info: dict) -> None:
@@ -309,9 +310,14 @@ class KvmeshIngress:
         """The controller runs a newer tenants file (another replica of a redeploy brought it):
         authenticate with its keys from now on."""
         try:
-            self.tenants = Tenants.from_dict(tenants_data)
+            tenants = Tenants.from_dict(tenants_data)
         except TenantsError:
             log.exception("the controller's tenants data is invalid here; keeping the old one")
+            return
+        self.tenants = tenants
+        if getattr(self, "settings", None) is not None:  # (during __init__, it sets both itself)
+            # reconnecting (e.g. to a new controller) brings this data and the quotas derived from it
+            self.pool.config = pool_config(self.settings, tenants, self.pool.app)
 
     async def __del__(self):  # Serve calls it when the replica stops: the last one stops the workers
         await self.pool.close()

@@ -301,3 +301,36 @@ def test_tenant_view_holds_only_the_tenants_own_state():
     assert set(g["workers"][0]["engine"]["approx"]["gate"]) == {"globex/auto:ba9876543210"}
     assert "acme" not in str(g["workers"][0]["engine"]["approx"]) and "ba98" not in str(tenant_view(view, "solo"))
 
+
+
+# -- a changed tenants file at run time -------------------------------------------------------------
+def test_admission_update_keeps_inflight_and_applies_new_limits():
+    from policies.tenancy import Admission
+
+    old = Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"], "limits": {"max_concurrent": 1}},
+                                         {"name": "b", "api_keys": ["kb"]}]})
+    adm = Admission(old)
+    assert adm.admit("a", 0.0).ok and not adm.admit("a", 0.0).ok  # at its limit
+    new = Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k2"], "limits": {"max_concurrent": 2}}]})
+    adm.update(new)
+    assert adm.inflight["a"] == 1  # the request admitted before still counts ...
+    assert adm.admit("a", 0.0).ok and not adm.admit("a", 0.0).ok  # ... against the new limit
+    adm.release("a")
+    adm.release("a")
+    assert adm.inflight["a"] == 0
+
+
+def test_without_tenants_ignores_only_the_tenant_derived_pool_fields():
+    import dataclasses
+
+    from cluster.app import AppSettings, pool_config
+    from cluster.controller import _diff, without_tenants
+
+    s = AppSettings(model="tiny-llama")
+    a = pool_config(s, Tenants.from_dict(TENANTS))
+    changed = dict(TENANTS, tenants=[dict(TENANTS["tenants"][0], cache={"min_blocks": 7}, workers={"max": 2}),
+                                     *TENANTS["tenants"][1:]])
+    b = pool_config(s, Tenants.from_dict(changed))
+    assert _diff(a, b) and not _diff(without_tenants(a), without_tenants(b))
+    c = dataclasses.replace(b, worker_num_cpus=0.5)
+    assert _diff(without_tenants(a), without_tenants(c)) == ["worker_num_cpus"]
