@@ -113,7 +113,7 @@ def main() -> None:
     ap.add_argument("--victim-requests", type=int, default=40)
     ap.add_argument("--victim-interval-s", type=float, default=0.5)
     ap.add_argument("--flood-clients", type=int, default=6)
-    ap.add_argument("--flood-requests", type=int, default=2000, help="bound on the flooder's attempts")
+    ap.add_argument("--flood-requests", type=int, default=20000, help="bound on the flooder's attempts")
     ap.add_argument("--flood-tokens", type=int, default=384)
     ap.add_argument("--flood-max-tokens", type=int, default=8)
     ap.add_argument("--flood-rate", type=float, default=4.0)
