@@ -32,6 +32,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutErro
 from actors.index_publisher import SlotUpdate, decode_message
 from actors.prefix_index import PrefixIndex
 from actors.slot_registry import SlotKey, SlotRegistry
+from policies.tenancy import domain_tenant, read_label
 
 log = logging.getLogger(__name__)
 INDEX_NAME = "kvmesh-index"
@@ -50,6 +51,8 @@ class IndexActor:
         self.liveness_s, self.stale_s, self.ping_timeout_s = liveness_s, stale_s, ping_timeout_s
         self.handles: dict[str, object] = {}
         self.counters = {"batches": 0, "refused": 0, "malformed": 0, "lookups": 0, "dropped_workers": 0}
+        # isolation audit: prompt tokens found per (reader tenant, policies.tenancy.read_label)
+        self.reads: dict[tuple[str, str], int] = {}
         self._liveness: asyncio.Task | None = None
 
     def _ensure_liveness(self) -> None:
@@ -117,7 +120,33 @@ class IndexActor:
     async def lookup(self, chains: Mapping[str, Sequence[bytes]]) -> dict[str, int]:
         """Per worker, leading prompt tokens held (see ``PrefixIndex.lookup``)."""
         self.counters["lookups"] += 1
-        return self.index.lookup(chains)
+        found = self.index.lookup(chains)
+        if found and chains:
+            self._count_reads(chains, found)
+        return found
+
+    def _count_reads(self, chains: Mapping[str, Sequence[bytes]], found: dict[str, int]) -> None:
+        """Attribute a lookup's hits to the domains they were stored under (the first chain is
+        the reader's own domain; the others are its grants)."""
+        reader = next(iter(chains))
+        per = {reader: max(found.values())} if len(chains) == 1 else {
+            d: max(self.index.lookup({d: c}).values(), default=0) for d, c in chains.items()}
+        for d, n in per.items():
+            if n:
+                key = (domain_tenant(reader), read_label(reader, d))
+                self.reads[key] = self.reads.get(key, 0) + n
+
+    async def read_stats(self) -> dict:
+        """``reads``: per reader tenant ``{label: tokens found}`` (labels of ``read_label``);
+        ``cross_tenant_reads``: ``"reader<-owner"`` (or ``"reader<-salt"``) for every label
+        other than "own" (empty without grants)."""
+        reads: dict[str, dict[str, int]] = {}
+        cross: dict[str, int] = {}
+        for (t, label), n in self.reads.items():
+            reads.setdefault(t, {})[label] = n
+            if label != "own":
+                cross[f"{t}<-{label.removeprefix('tenant:')}"] = n
+        return {"reads": reads, "cross_tenant_reads": cross}
 
     async def workers(self) -> dict[str, dict]:
         return self.index.workers()

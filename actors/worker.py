@@ -268,6 +268,11 @@ class Worker:
                 self.router.report("report_probe", node, self.node_id, rtt, nbytes, seconds)
         return out
 
+    async def set_tenant_policies(self, quotas: dict, gates: dict | None = None) -> bool:
+        """A changed tenants file (redeploy): new eviction quotas and quality gates, no restart."""
+        await self.engine.call(lambda e: e.set_tenant_policies(quotas, gates))
+        return True
+
     def set_faults(self, faults: list[str]) -> None:
         """Test hooks: "export" / "export_donor" make those calls fail; "engine_death" ends the
         engine loop now (as a fatal step error would)."""

@@ -41,7 +41,7 @@ from engine.llm_engine import EngineConfig, check_sampling_limits
 from engine.redact import describe_exc, redact
 from engine.sequence import InvalidRequest, Request, SamplingParams
 from policies.autoscale import AutoscaleConfig
-from policies.tenancy import TenantConfig, Tenants, read_tenants_file, tenants_path
+from policies.tenancy import TenantConfig, Tenants, TenantsError, read_tenants_file, tenants_path
 
 log = logging.getLogger(__name__)
 EXAMPLE_TENANTS = Path(__file__).with_name("tenants.yaml")
@@ -71,6 +71,13 @@ class AppSettings:
     ready_timeout_s: float = 600.0
     client_ttl_s: float = 30.0  # an ingress replica silent this long is presumed dead (its leases reclaimed)
     max_body_bytes: int | None = None  # request bodies larger get a 413; None: 2 MiB + 64 bytes per context token
+    # "none": /metrics answers anyone who reaches the port; "admin": it needs an admin key
+    # (tenants file ``admin_keys``) as a Bearer token
+    metrics_auth: str = "none"
+
+    def __post_init__(self):
+        if self.metrics_auth not in ("none", "admin"):
+            raise ValueError(f"metrics_auth must be 'none' or 'admin', got {self.metrics_auth!r}")
 
     @classmethod
     def from_args(cls, args):
@@ -381,6 +388,9 @@ class KvmeshIngress:
         tenants = Tenants.from_dict(tenants_data)
         self.settings, self.tenants = s, tenants
         pool = await self._open_pool(tenants_data)
+        if getattr(pool, "tenants_data", tenants_data) != tenants_data:  # the controller runs a newer tenants file: take it
+            tenants = Tenants.from_dict(pool.tenants_data)
+            pool.config = pool_config(s, tenants, pool.app)
         self._setup(s, tenants, pool, await pool.wait_ready(s.ready_timeout_s))
 
     def _setup(self, s: AppSettings, tenants: Tenants, pool, info: dict) -> None:
@@ -401,8 +411,22 @@ class KvmeshIngress:
         app_name = serve.get_replica_context().app_name
         pool = ControllerClient(app_name, pool_config(self.settings, self.tenants, app_name), tenants_data,
                                 self.settings.client_ttl_s)
+        pool.on_tenants = self._new_tenants
         await pool.connect()
         return pool
+
+    def _new_tenants(self, tenants_data: dict) -> None:
+        """The controller runs a newer tenants file (another replica of a redeploy brought it):
+        authenticate with its keys from now on."""
+        try:
+            tenants = Tenants.from_dict(tenants_data)
+        except TenantsError:
+            log.exception("the controller's tenants data is invalid here; keeping the old one")
+            return
+        self.tenants = tenants
+        if getattr(self, "pool", None) is not None:  # (during __init__, it sets the config itself)
+            # reconnecting (e.g. to a new controller) brings this data and the quotas derived from it
+            self.pool.config = pool_config(self.settings, tenants, self.pool.app)
 
     async def __del__(self):  # Serve calls it when the replica stops: the last one stops the workers
         await self.pool.close()
@@ -432,7 +456,10 @@ class KvmeshIngress:
             raise _as_api_error(e) from None
 
     @app.get("/metrics")
-    async def metrics(self):
+    async def metrics(self, req: HttpRequest):
+        if self.settings.metrics_auth == "admin" and not self.tenants.is_admin(_bearer(req)):
+            raise ApiError(401, "/metrics needs an admin key (send Authorization: Bearer <admin key>)",
+                           code="invalid_api_key")
         snap = await self._ask("metrics_snapshot")
         text = self.metrics.render(snap["queue_depth"], snap["inflight"], snap["states"], snap["assigned"],
                                    snap["router"])
@@ -446,9 +473,11 @@ class KvmeshIngress:
 
     @app.get("/kvmesh/workers")
     async def workers(self, req: HttpRequest):
-        """Pool and engine state per worker (any valid key)."""
-        self._auth(req)
-        return await self._ask("workers_view")
+        """Pool and engine state per worker: a tenant's key sees only its own state, an admin key
+        (tenants file ``admin_keys``) everything (``policies.introspection``)."""
+        if self.tenants.is_admin(_bearer(req)):
+            return await self._ask("workers_view", None)
+        return await self._ask("workers_view", self._auth(req).name)
 
     @app.post("/v1/templates", openapi_extra=openapi_body(TemplateBody))
     async def register_template(self, req: HttpRequest):
@@ -530,7 +559,11 @@ class KvmeshIngress:
         return await self._serve(req, chat=True)
 
     def _auth(self, req: HttpRequest) -> TenantConfig:
-        tenant = self.tenants.authenticate(_bearer(req))
+        key = _bearer(req)
+        tenant = self.tenants.authenticate(key)
+        if tenant is None and self.tenants.is_admin(key):
+            raise ApiError(403, "an admin key is not a tenant: it can read /kvmesh/workers and /metrics only",
+                           type_="permission_error", code="permission_denied")
         if tenant is None:
             raise ApiError(401, "missing or unknown API key (send Authorization: Bearer <key>)",
                            code="invalid_api_key")
@@ -630,6 +663,7 @@ class KvmeshIngress:
         if tid is not None:
             approx = {"template": tid, "template_text": await self._template(tenant, tid),
                       "template_params": dict(body.kvmesh.params or {})}
+        domain, read = self.tenants.request_domains(tenant.name, body.cache_salt)
         requests = []
         for i, info in enumerate(prompts):
             n = len(info.ids)
@@ -658,8 +692,8 @@ class KvmeshIngress:
                 d["prompt_logprobs"] = k
             requests.append(Request(
                 request_id=rid if len(prompts) == 1 else f"{rid}-{i}", prompt_ids=tuple(info.ids),
-                params=self._params(d), tenant=tenant.name, share_domain=self.tenants.share_domain(tenant.name),
-                reuse=reuse, read_domains=self.tenants.read_domains(tenant.name), remap_policy=tenant.remap_policy,
+                params=self._params(d), tenant=tenant.name, share_domain=domain,
+                reuse=reuse, read_domains=read, remap_policy=tenant.remap_policy,
                 recompute_ratio=tenant.recompute_ratio, **approx))
         texts = TokenIds() if body.return_tokens_as_token_ids else self.token_texts
         asm = Assembler(chat, prompts, body.num_choices, n_engine, texts, logprobs=k, echo=echo, score_only=score_only)

@@ -9,15 +9,18 @@ router's choice), streams the outputs straight from the leased worker actor, and
 output (``started``) and the end (``end``). Output-token progress rides on the heartbeats.
 
 Lifetime: named ``kvmesh-controller:<app>`` in namespace ``kvmesh``, detached, created by the
-first replica (``get_if_exists``); later replicas attach and must bring the same configuration
-(else ``ConfigMismatch``). Replicas send the configuration unresolved (``worker_num_gpus=None``,
+first replica (``get_if_exists``); later replicas attach and must bring the same pool
+configuration (else ``ConfigMismatch``); a replica bringing *new* tenants data (a redeploy with a
+changed tenants file) updates the running app instead: keys, grants, limits, quotas, gates (see
+``attach``), and the other replicas pick the new data up on their next heartbeat. Replicas send the configuration unresolved (``worker_num_gpus=None``,
 auto device/dtype); the controller resolves it once, when it is created, so a replica started
 later (when the cluster's GPUs changed) still matches. Workers (ids ``<app>-w<n>``) and the
 router actor (``kvmesh-router:<app>``) are the controller's non-detached children, so they die
 with it. If the pool fails to start, the controller stops (kills what it spawned) and exits.
 Each replica heartbeats every ``client_ttl_s / 5``; a replica silent for ``client_ttl_s`` is
 presumed dead and its leases are reclaimed (the worker aborts them). When no replica is attached
-(the last one detached in its ``__del__``, or the last one expired) the controller kills its
+(the last one expired, or the last one detached in its ``__del__`` and none attached within
+``client_ttl_s`` after it: a redeploy's new replica keeps the workers) the controller kills its
 workers and itself; a replica that comes later creates a fresh one.
 
 Invariants: every open lease belongs to exactly one attached client and holds one admission and
@@ -28,6 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import json
 import logging
 import time
 import uuid
@@ -39,7 +44,9 @@ import ray
 from cluster.pool import (PoolConfig, RouteChoice, WorkerDied, WorkerPool, WorkerUnavailable, resolve_pool_config,
                           stream_outputs)
 from engine.sequence import InvalidRequest, Request, RequestOutput
-from policies.tenancy import Admission, Tenants
+from policies.autoscale import check_shares
+from policies.introspection import admin_view, tenant_view
+from policies.tenancy import Admission, Tenants, domain_tenant
 
 log = logging.getLogger(__name__)
 NAMESPACE = "kvmesh"
@@ -102,6 +109,21 @@ def for_app(config: PoolConfig, app: str) -> PoolConfig:
     return config if config.app == app else dataclasses.replace(config, app=app)
 
 
+def without_tenants(config: PoolConfig) -> PoolConfig:
+    """``config`` without the fields derived from the tenants file (eviction quotas, quality
+    gates, worker shares): those change with the tenants data, at run time."""
+    engine = config.engine
+    approx = engine.approx
+    if approx is not None:
+        approx = dataclasses.replace(approx, tenant_gates={})
+    return dataclasses.replace(config, shares=(), engine=dataclasses.replace(engine, tenant_quotas={}, approx=approx))
+
+
+def tenants_digest(tenants_data: dict) -> str:
+    """A stable digest of a tenants file's parsed data."""
+    return hashlib.sha256(json.dumps(tenants_data, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def _diff(a: PoolConfig, b: PoolConfig) -> list[str]:
     out = []
     for f in dataclasses.fields(a):
@@ -126,6 +148,9 @@ class Controller:
         self.pool = WorkerPool(resolve_pool_config(config))
         self.clients: dict[str, _Client] = {}
         self.templates: dict[tuple[str, str], str] = {}  # (tenant, id) -> text, POST /v1/templates
+        self.tenants_version = 1  # bumped by every applied tenants change
+        self._superseded: set[str] = set()  # digests of tenants data replaced by a newer deploy
+        self._detached_at: float | None = None  # when the last replica detached (None: one is attached)
         self._open: dict[str, _Open] = {}  # lease id -> owner
         self._started = self._reaping = False
         self._start_lock: asyncio.Lock | None = None
@@ -138,13 +163,15 @@ class Controller:
         interval in seconds."""
         if self._closing:
             raise ControllerClosing(f"the controller of app {self.app!r} is stopping")
-        diff = _diff(self.config, for_app(config, self.app))
-        diff += ["tenants"] if tenants_data != self.tenants_data else []
+        config = for_app(config, self.app)
+        diff = _diff(without_tenants(self.config), without_tenants(config))
         diff += ["client_ttl_s"] if client_ttl_s != self.client_ttl_s else []
         if diff:
             raise ConfigMismatch(
                 f"the kvmesh controller of app {self.app!r} runs with another configuration ({', '.join(diff)} "
                 "differ); delete the app (serve delete / serve shutdown) and deploy it again")
+        if tenants_data != self.tenants_data and tenants_digest(tenants_data) not in self._superseded:
+            await self.update_tenants(tenants_data, config)
         self._touch(client_id)
         if self._start_lock is None:
             self._start_lock = asyncio.Lock()
@@ -161,22 +188,71 @@ class Controller:
                     self._stop(f"its worker pool failed to start: {e!r}")
                     raise
                 self._started = True
-        return self.client_ttl_s / 5
+        return {"heartbeat_s": self.client_ttl_s / 5, "tenants_version": self.tenants_version}
 
-    def heartbeat(self, client_id: str, progress: dict[str, int]) -> bool:
-        """A replica is alive; ``progress``: output tokens of its open leases. False: the
-        controller is stopping (connect again)."""
+    async def update_tenants(self, tenants_data: dict, config: PoolConfig) -> int:
+        """Apply new tenants data (a redeploy brought a changed tenants file) to the running app:
+        admission (keys, limits: in-flight counts kept), grants (requests admitted from now on get
+        the new read domains; cached blocks of a grantor become unreadable to a revoked grantee at
+        once, since read domains are computed per request), eviction quotas and quality gates on
+        every worker, worker shares. ``config`` carries the tenant-derived fields (its other fields
+        equal ours). The data it replaces is remembered as superseded: a replica of the old deploy
+        that attaches later does not revert it. Raises ConfigMismatch (nothing changed) when the
+        new shares do not fit the pool. Returns the new tenants version."""
+        tenants = Tenants.from_dict(tenants_data)
+        shares = dict(config.shares)
+        try:
+            check_shares(shares, self.pool.config.autoscale)
+        except ValueError as e:
+            raise ConfigMismatch(f"the new tenants file does not fit app {self.app!r}: {e}") from None
+        old = self.tenants_data
+        self._superseded.add(tenants_digest(old))
+        self._superseded.discard(tenants_digest(tenants_data))
+        self.tenants_data, self.tenants = tenants_data, tenants
+        self.admission.update(tenants)
+        e = config.engine
+        self.config = dataclasses.replace(self.config, shares=config.shares, engine=dataclasses.replace(
+            self.config.engine, tenant_quotas=e.tenant_quotas, approx=e.approx))
+        pe = self.pool.config.engine
+        approx = pe.approx if pe.approx is None or e.approx is None else dataclasses.replace(
+            pe.approx, tenant_gates=e.approx.tenant_gates)
+        self.pool.config = dataclasses.replace(self.pool.config, shares=config.shares, engine=dataclasses.replace(
+            pe, tenant_quotas=e.tenant_quotas, approx=approx))
+        self.pool.autoscaler.shares = shares
+        self.templates = {k: v for k, v in self.templates.items() if k[0] in tenants.by_name}
+        self.tenants_version += 1
+        gates = None if approx is None else approx.tenant_gates
+        live = [w for w in self.pool.workers.values() if w.info is not None]
+        results = await asyncio.gather(*(asyncio.wait_for(_aref(w.actor.set_tenant_policies.remote(
+            e.tenant_quotas, gates)), 10.0) for w in live), return_exceptions=True)
+        for w, r in zip(live, results):
+            if isinstance(r, BaseException):
+                log.warning("worker %s did not take the new tenant policies: %r", w.worker_id, r)
+        log.info("kvmesh app %r applied a new tenants file (version %d): tenants %s", self.app,
+                 self.tenants_version, sorted(tenants.by_name))
+        return self.tenants_version
+
+    def tenants_state(self) -> dict:
+        """The tenants data in force and its version (replicas sync their keys from it)."""
+        return {"version": self.tenants_version, "data": self.tenants_data}
+
+    def heartbeat(self, client_id: str, progress: dict[str, int]) -> dict:
+        """A replica is alive; ``progress``: output tokens of its open leases. ``alive`` False:
+        the controller is stopping (connect again); ``tenants_version`` newer than the replica's:
+        fetch ``tenants_state``."""
         self._touch(client_id)
         for lid, n in progress.items():
             if lid in self._open:
                 self.pool.progress(lid, n)
-        return not self._closing
+        return {"alive": not self._closing, "tenants_version": self.tenants_version}
 
     def detach(self, client_id: str) -> None:
-        """A replica stops: end its leases; the last one stops the controller."""
+        """A replica stops: end its leases. When it was the last one, the controller stops unless
+        a replica attaches within ``client_ttl_s``: a redeploy (Serve stops the old replica, then
+        starts the new one) keeps the workers and their caches."""
         self._drop(client_id)
         if not self.clients:
-            self._stop("the last ingress replica detached")
+            self._detached_at = time.monotonic()  # the reap loop stops us client_ttl_s from now
 
     def reap(self, now: float | None = None) -> list[str]:
         """Drop replicas silent for ``client_ttl_s`` (their leases are reclaimed); stop when none is left."""
@@ -186,7 +262,7 @@ class Controller:
             log.warning("ingress client %s silent for %.0f s: reclaiming its %d leases", cid,
                         now - self.clients[cid].last_seen, len(self.clients[cid].leases))
             self._drop(cid)
-        if not self.clients:
+        if not self.clients and (gone or self._detached_at is None or now - self._detached_at >= self.client_ttl_s):
             self._stop("no ingress replica is left")
         return gone
 
@@ -194,6 +270,7 @@ class Controller:
         c = self.clients.get(client_id)
         if c is None:
             c = self.clients[client_id] = _Client(time.monotonic())
+            self._detached_at = None
         c.last_seen = time.monotonic()
         return c
 
@@ -214,6 +291,12 @@ class Controller:
             raise WorkerUnavailable("the kvmesh controller is stopping")
         if request.tenant not in self.tenants.names():
             raise InvalidRequest(f"unknown tenant {request.tenant!r}")
+        if domain_tenant(request.domain) != request.tenant:
+            raise InvalidRequest(f"share domain {request.domain!r} is not one of tenant {request.tenant!r}")
+        # The grants in force now decide what the request may read, whatever the replica knew.
+        grants = self.tenants.read_domains(request.tenant) if request.domain == request.tenant else ()
+        if grants != request.read_domains:
+            request = dataclasses.replace(request, read_domains=grants)
         self._touch(client_id)
         decision = self.admission.admit(request.tenant, time.monotonic())
         if not decision.ok:
@@ -293,10 +376,13 @@ class Controller:
         return {"queue_depth": self.pool.queue_depth(), "inflight": dict(self.admission.inflight), "states": states,
                 "assigned": assigned, "router": await self.pool.router_metrics()}
 
-    async def workers_view(self) -> dict:
+    async def workers_view(self, tenant: str | None = None) -> dict:
+        """Pool and engine state: all of it for an admin (``tenant`` None), else only what
+        ``tenant`` may see (``policies.introspection.tenant_view``)."""
         d = self.pool.last_decision
-        return {"workers": await self.pool.stats(), "target": d.target if d else None,
+        view = {"workers": await self.pool.stats(), "target": d.target if d else None,
                 "allocation": dict(d.allocation) if d else {}}
+        return admin_view(view) if tenant is None else tenant_view(view, tenant)
 
     def snapshot(self) -> dict:
         """Clients with their open leases, workers with their in-flight counts (tests, debugging)."""
@@ -361,6 +447,8 @@ class ControllerClient:
         self._tasks: set[asyncio.Task] = set()
         self._heartbeats: asyncio.Task | None = None
         self._lock = asyncio.Lock()
+        self.tenants_version = 0  # of the controller's tenants data this client holds (0: its own)
+        self.on_tenants = None  # callback(tenants_data) when the controller's tenants changed
 
     async def connect(self, timeout_s: float = 120.0) -> None:
         """Attach to the app's controller, creating it if missing (retries while an old one stops)."""
@@ -370,8 +458,8 @@ class ControllerClient:
                 handle = await asyncio.to_thread(get_or_create_controller, self.app, self.config, self.tenants_data,
                                                  self.client_ttl_s)
                 try:
-                    self._heartbeat_s = await handle.attach.remote(self.client_id, self.config, self.tenants_data,
-                                                                   self.client_ttl_s)
+                    reply = await handle.attach.remote(self.client_id, self.config, self.tenants_data,
+                                                       self.client_ttl_s)
                     break
                 except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
                     cause = _cause(e)
@@ -380,6 +468,11 @@ class ControllerClient:
                         raise cause from None
                     await asyncio.sleep(0.5)
             self.handle = handle
+            if isinstance(reply, dict):
+                self._heartbeat_s = reply["heartbeat_s"]
+                await self._sync_tenants(reply.get("tenants_version", 0))
+            else:  # an older controller: the interval only
+                self._heartbeat_s = reply
             if self._heartbeats is None:
                 self._heartbeats = asyncio.get_running_loop().create_task(self._heartbeat_loop())
 
@@ -398,9 +491,12 @@ class ControllerClient:
             await asyncio.sleep(self._heartbeat_s)
             try:
                 ref = self.handle.heartbeat.remote(self.client_id, dict(self._progress))
-                alive = await asyncio.wait_for(_aref(ref), self.call_timeout_s)
+                beat = await asyncio.wait_for(_aref(ref), self.call_timeout_s)
+                alive = beat["alive"] if isinstance(beat, dict) else beat
                 if not alive:
                     await self.connect()
+                elif isinstance(beat, dict):
+                    await self._sync_tenants(beat.get("tenants_version", 0))
             except asyncio.CancelledError:
                 raise
             except ray.exceptions.RayActorError:
@@ -411,6 +507,18 @@ class ControllerClient:
                     log.exception("reconnecting to the kvmesh controller failed")
             except Exception:  # noqa: BLE001 - a slow beat: the next one may pass
                 log.warning("kvmesh controller heartbeat failed", exc_info=True)
+
+    async def _sync_tenants(self, version: int) -> None:
+        """Take the controller's tenants data when it is newer than ours (a redeploy changed the
+        tenants file): from now on this replica authenticates with it and reconnects with it."""
+        if version <= self.tenants_version:
+            return
+        state = await asyncio.wait_for(_aref(self.handle.tenants_state.remote()), self.call_timeout_s)
+        self.tenants_version = state["version"]
+        if state["data"] != self.tenants_data:
+            self.tenants_data = state["data"]
+            if self.on_tenants is not None:
+                self.on_tenants(state["data"])
 
     async def call(self, method: str, *args, timeout_s: float | None = None):
         """``Controller.<method>(*args)``; reconnects once if the controller died."""

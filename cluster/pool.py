@@ -254,8 +254,8 @@ class WorkerPool:
         was_draining = ws.draining
         self._mark_dead(ws)
         target = self.last_decision.target if self.last_decision is not None else 1
-        if not was_draining and self._actor_cls is not None and len(self.active()) < max(1, target):
-            self._spawn()
+        if not was_draining and len(self.active()) < max(1, target) and self._actor_cls is not None:
+            self._spawn()  # (a pool never started, e.g. over fake workers in tests, spawns nothing)
 
     def _mark_dead(self, ws: WorkerState) -> None:
         ws.dead = True

@@ -198,6 +198,8 @@ class _Body(_Strict):
     service_tier: Literal["auto", "default"] | None = None
     parallel_tool_calls: StrictBool | None = None  # without tools (rejected) it has no effect
     kvmesh: KvmeshOptions | None = None
+    # vLLM's per-user cache isolation: requests with different salts never share KV
+    cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)
 
     @property
     def is_stream(self) -> bool:

@@ -143,6 +143,10 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> Block | None:
         return self._cached.get(block_hash)
 
+    def domain_of(self, block_hash: BlockHash) -> str | None:
+        """The share domain a cached block was stored under (None if not cached)."""
+        return self._domain.get(block_hash)
+
     def cached_hashes(self) -> list[tuple[BlockHash, BlockHash | None, str | None]]:
         """Snapshot of the prefix cache (for rebuilding a global index)."""
         return [(h, b.parent_hash, self._domain.get(h)) for h, b in self._cached.items()]

@@ -5,12 +5,18 @@ under every domain it may read (grants). The chain hash of block i covers the mo
 domain salt and *all* tokens up to the end of block i, so a hit at position i under any of those
 domains is the same KV. Matching walks block by block taking whichever domain hits, and stops at
 the first miss. New blocks are registered under the request's own domain only.
+
+``reads[(reader tenant, label)]`` counts prompt tokens admitted from cached blocks by where each
+block was stored relative to the reader (``policies.tenancy.read_label``: own domain, another
+domain of its own tenant, another tenant), so tests and audits can assert that no tenant read a
+domain it was not granted (see ``LLMEngine.stats``: per tenant ``reads``, ``cross_tenant_reads``).
 """
 
 from __future__ import annotations
 
 from engine.block_pool import Block, BlockHash, BlockPool, extra_key, hash_block, prompt_chains
 from engine.sequence import Sequence
+from policies.tenancy import read_label
 
 
 class KVManager:
@@ -20,6 +26,7 @@ class KVManager:
         self.model_id = model_id
         self.enable_prefix_caching = enable_prefix_caching
         self._extra: dict[str, bytes] = {}
+        self.reads: dict[tuple[str, str], int] = {}
 
     def extra_key(self, domain: str) -> bytes:
         key = self._extra.get(domain)
@@ -75,6 +82,10 @@ class KVManager:
         return new + sum(1 for b in hit if b.ref_cnt == 0) + reserved
 
     def admit(self, seq: Sequence, hit: list[Block]) -> None:
+        req = seq.request
+        for b in hit:
+            key = (req.tenant, read_label(req.domain, self.pool.domain_of(b.block_hash) or "?"))
+            self.reads[key] = self.reads.get(key, 0) + self.block_size
         self.pool.touch(hit)
         seq.blocks = list(hit)
         seq.num_computed = seq.num_cached = len(hit) * self.block_size

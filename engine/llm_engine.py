@@ -28,6 +28,7 @@ from engine.sequence import (REUSE_MODES, InvalidRequest, Request, RequestOutput
                              SequenceStatus, TokenLogprob)
 from engine.tokenizer import IncrementalDetokenizer
 from policies.eviction import TenantEvictionPolicy, TenantQuota
+from policies.tenancy import read_label
 
 
 MAX_FAILED_STEPS = 3  # steps in a row failing every request in them: the engine is broken, not a request
@@ -97,6 +98,8 @@ class LLMEngine:
         self.approx = (ApproxReuse(self.loaded.model, self.tokenizer, config.approx)
                        if config.approx is not None and config.device == "cpu" else None)
         self.tenant_metrics: dict[str, TenantMetrics] = {}
+        # approximate reuse: prompt tokens served from donors, per (reader tenant, read_label)
+        self.approx_reads: dict[tuple[str, str], int] = {}
         self.num_steps = 0
         self.num_forward_tokens = 0  # tokens run through the model (prefill chunks + decodes)
         self.sample_s = 0.0  # time in the batched sampler (masks, logprobs, appends) over all steps
@@ -419,6 +422,8 @@ class LLMEngine:
             seq.approx_kv = True
             seq.num_approx = max(0, n - res.computed - hit_tokens)
             seq.num_cached = hit_tokens + seq.num_approx
+            key = (seq.request.tenant, read_label(seq.request.domain, m.donor.domain))
+            self.approx_reads[key] = self.approx_reads.get(key, 0) + seq.num_approx
             seq.prefill_s = dt
             seq.status = SequenceStatus.RUNNING
             self.scheduler.running.append(seq)
@@ -458,6 +463,18 @@ class LLMEngine:
         if self.approx is None:
             raise InvalidRequest("approximate reuse is disabled on this engine")
         self.approx.register_template(domain, template_id, text)
+
+    def set_tenant_policies(self, quotas: dict[str, TenantQuota], gates: dict | None = None) -> None:
+        """Apply a changed tenants file without a restart: eviction quotas from now on (blocks
+        already cached keep their owner; a lowered cap or minimum takes effect at the next
+        eviction) and, for approximate reuse, the quality gates of keys created from now on."""
+        import dataclasses
+
+        for tenant, quota in quotas.items():
+            self.pool.eviction.set_quota(tenant, quota)
+        self.config = dataclasses.replace(self.config, tenant_quotas=dict(quotas))
+        if gates is not None and self.approx is not None:
+            self.approx.config = dataclasses.replace(self.approx.config, tenant_gates=dict(gates))
 
     # -- approximate donors across workers (actors.slot_registry) -----------------------------
     def export_donor(self, slot_id: str) -> DonorPayload | None:
@@ -635,7 +652,29 @@ class LLMEngine:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def reads(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Per reader tenant: ``{"exact"|"approx": {label: prompt tokens reused}}`` with labels
+        of ``policies.tenancy.read_label`` ("own", "salt", "tenant:<owner>")."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for kind, table in (("exact", self.kv.reads), ("approx", self.approx_reads)):
+            for (tenant, label), n in table.items():
+                out.setdefault(tenant, {"exact": {}, "approx": {}})[kind][label] = n
+        return out
+
+    def cross_tenant_reads(self) -> dict[str, int]:
+        """``"reader<-owner"``: prompt tokens a tenant reused from another tenant's domain (only
+        possible through a grant), and ``"reader<-salt"`` from another domain of its own tenant
+        (never possible). The isolation audit: without grants this stays empty."""
+        out: dict[str, int] = {}
+        for table in (self.kv.reads, self.approx_reads):
+            for (tenant, label), n in table.items():
+                if label != "own":
+                    key = f"{tenant}<-{label.removeprefix('tenant:')}"
+                    out[key] = out.get(key, 0) + n
+        return out
+
     def stats(self) -> dict:
+        reads = self.reads()
         return {
             "free_blocks": self.pool.num_free_blocks(),
             "num_blocks": self.pool.num_blocks,
@@ -645,9 +684,11 @@ class LLMEngine:
             "failed_requests": self.num_failed, "optional_failures": dict(self.optional_failures),
             "tenants": {
                 t: {**vars(m), "blocks_held": self.pool.eviction.held.get(t, 0),
-                    "evictions": self.pool.stats.get(t).evictions if t in self.pool.stats else 0}
+                    "evictions": self.pool.stats.get(t).evictions if t in self.pool.stats else 0,
+                    "reads": reads.get(t, {"exact": {}, "approx": {}})}
                 for t, m in self.tenant_metrics.items()
             },
+            "cross_tenant_reads": self.cross_tenant_reads(),
             **({"approx": {**self.approx.stats, "donors": len(self.approx.pool), "shadow_pending": len(self._shadow_jobs),
                            "gate": self.approx.gate.snapshot()}} if self.approx is not None else {}),
         }

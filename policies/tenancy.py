@@ -30,11 +30,18 @@ The tenants file (YAML; only ``name`` and ``api_keys`` are required)::
 Share domains: a tenant writes its KV blocks into its own domain (its name), so no other
 tenant can hit them. A grant ``acme.share_with: [globex]`` adds ``acme`` to globex's read
 domains: globex's requests may reuse acme's blocks, never the other way round unless globex
-grants acme too. Users of one tenant always share.
+grants acme too. Users of one tenant share, unless a request carries a ``cache_salt``
+(vLLM's field): it writes into and reads only the domain ``<tenant>#salt:<digest of the salt>``,
+so requests with different salts (or one salted, one not) never share KV, and a salted request
+reads no granted domain either (as in vLLM, where the salt enters the first block's hash).
+
+Admin keys (top-level ``admin_keys: [...]``) are not tenants: they cannot run completions; they
+see every tenant's state in ``/kvmesh/workers`` (and ``/metrics`` when the app restricts it).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -49,6 +56,11 @@ TenantId = str
 # The request reuse modes (the engine imports them from here).
 REUSE_MODES = ("approximate", "exact", "none")
 TENANTS_ENV = "KVMESH_TENANTS"
+# A salted share domain is "<tenant>" + SALT_SEP + a digest of the salt; tenant names cannot
+# contain "#" (nor "/", the gate keys' separator), so a domain always names its tenant
+# (``domain_tenant``).
+SALT_SEP = "#salt:"
+MAX_CACHE_SALT_CHARS = 256
 
 
 class TenantsError(ValueError):
@@ -158,6 +170,9 @@ def _parse_tenant(d: object, defaults: Mapping) -> TenantConfig:
     name = d.get("name")
     if not isinstance(name, str) or not name.strip():
         raise TenantsError(f"a tenant needs a non-empty string name, got {name!r}")
+    if "#" in name or "/" in name:
+        raise TenantsError(f"tenant name {name!r} must not contain '#' or '/' (they separate salted share "
+                           "domains and gate keys)")
     where = f"tenant {name!r}"
     unknown = set(d) - _TENANT_FIELDS
     if unknown:
@@ -194,9 +209,10 @@ class Tenants:
     """The validated tenants table. Invariants: names and API keys are unique; every grant names
     an existing other tenant."""
 
-    def __init__(self, tenants: list[TenantConfig]):
+    def __init__(self, tenants: list[TenantConfig], admin_keys: tuple[str, ...] = ()):
         self.by_name: dict[TenantId, TenantConfig] = {}
         self._by_key: dict[str, TenantConfig] = {}
+        self.admin_keys = frozenset(admin_keys)
         for t in tenants:
             if t.name in self.by_name:
                 raise TenantsError(f"duplicate tenant name {t.name!r}")
@@ -213,18 +229,25 @@ class Tenants:
                     raise TenantsError(f"tenant {t.name!r}: share_with names itself")
         if not self.by_name:
             raise TenantsError("the tenants file defines no tenants")
+        clash = self.admin_keys & set(self._by_key)
+        if clash:
+            raise TenantsError(f"admin key(s) also used as API keys of tenants "
+                               f"{sorted({self._by_key[k].name for k in clash})}")
 
     @classmethod
     def from_dict(cls, data: object) -> "Tenants":
         if not isinstance(data, dict) or not isinstance(data.get("tenants"), list):
             raise TenantsError("the tenants file must be a mapping with a 'tenants' list")
-        unknown = set(data) - {"tenants", "defaults"}
+        unknown = set(data) - {"tenants", "defaults", "admin_keys"}
         if unknown:
             raise TenantsError(f"unknown top-level fields {sorted(unknown)}")
         defaults = data.get("defaults") or {}
         if not isinstance(defaults, dict) or {"name", "api_keys"} & set(defaults):
             raise TenantsError("defaults must be a mapping without name or api_keys")
-        return cls([_parse_tenant(t, defaults) for t in data["tenants"]])
+        admin = data.get("admin_keys") or []
+        if not isinstance(admin, list) or not all(isinstance(k, str) and k for k in admin):
+            raise TenantsError("admin_keys must be a list of non-empty strings")
+        return cls([_parse_tenant(t, defaults) for t in data["tenants"]], tuple(admin))
 
     # -- questions ---------------------------------------------------------------------------
     def authenticate(self, api_key: str | None) -> TenantConfig | None:
@@ -232,6 +255,10 @@ class Tenants:
         if not api_key:
             return None
         return self._by_key.get(api_key)
+
+    def is_admin(self, api_key: str | None) -> bool:
+        """Whether ``api_key`` is one of the file's ``admin_keys``."""
+        return bool(api_key) and api_key in self.admin_keys
 
     def __getitem__(self, name: TenantId) -> TenantConfig:
         return self.by_name[name]
@@ -250,6 +277,13 @@ class Tenants:
         """Domains besides its own that ``name`` may read: those of tenants that granted it."""
         return tuple(sorted(t.name for t in self.by_name.values() if name in t.share_with))
 
+    def request_domains(self, name: TenantId, cache_salt: str | None = None) -> tuple[str, tuple[str, ...]]:
+        """(share domain, read domains) of one request of ``name``: its own domain and grants,
+        or with a ``cache_salt`` the salted domain alone (see the module docstring)."""
+        if cache_salt is None:
+            return self.share_domain(name), self.read_domains(name)
+        return salted_domain(name, cache_salt), ()
+
     def eviction_quotas(self) -> dict[TenantId, TenantQuota]:
         return {t.name: t.cache for t in self.by_name.values()}
 
@@ -260,6 +294,37 @@ class Tenants:
         """Per tenant its approximate-reuse quality gate (None: ungated), for the engine's
         ``ApproxConfig.tenant_gates``."""
         return {t.name: t.quality_gate for t in self.by_name.values()}
+
+
+def check_cache_salt(salt: object) -> str:
+    """A valid ``cache_salt`` (non-empty string of at most ``MAX_CACHE_SALT_CHARS``) or ValueError."""
+    if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+    return salt
+
+
+def salted_domain(name: TenantId, cache_salt: str) -> str:
+    """The share domain of ``name``'s requests salted with ``cache_salt``: the salt itself never
+    appears (a 128-bit digest of tenant and salt does), so introspection cannot show it."""
+    check_cache_salt(cache_salt)
+    digest = hashlib.sha256(name.encode() + b"\0" + cache_salt.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return f"{name}{SALT_SEP}{digest}"
+
+
+def domain_tenant(domain: str) -> TenantId:
+    """The tenant owning a share domain (its own or one of its salted domains)."""
+    return domain.split("#", 1)[0]
+
+
+def read_label(reader_domain: str, owner_domain: str) -> str:
+    """How a request of ``reader_domain`` reused KV stored under ``owner_domain``, for the
+    isolation counters (bounded by tenants, not by salts): ``"own"`` (same domain), ``"salt"``
+    (another domain of the same tenant: a salted and an unsalted request, or two salts; must
+    never happen) or ``"tenant:<owner>"`` (another tenant's domain: only through a grant)."""
+    if reader_domain == owner_domain:
+        return "own"
+    owner = domain_tenant(owner_domain)
+    return "salt" if owner == domain_tenant(reader_domain) else f"tenant:{owner}"
 
 
 def tenants_path(default: str | os.PathLike) -> Path:
@@ -339,6 +404,14 @@ class Admission:
                 return AdmitDecision(False, wait, "rate")
         self.inflight[tenant] = n + 1
         return AdmitDecision(True)
+
+    def update(self, tenants: Tenants) -> None:
+        """Apply a new tenants table (a redeploy): in-flight counts are kept (releases of requests
+        admitted before still match); a tenant whose limits changed starts a fresh bucket."""
+        for name in list(self._buckets):
+            if name not in tenants.by_name or tenants[name].limits != self.tenants[name].limits:
+                del self._buckets[name]
+        self.tenants = tenants
 
     def release(self, tenant: TenantId) -> None:
         n = self.inflight.get(tenant, 0)

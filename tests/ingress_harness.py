@@ -39,9 +39,13 @@ class LocalPool:
             return {"queue_depth": {}, "inflight": dict(self.controller.admission.inflight),
                     "states": {"ready": 1, "starting": 0, "draining": 0}, "assigned": {}, "router": None}
         if method == "workers_view":
+            from policies.introspection import admin_view, tenant_view
+
             stats = await self.engine.call(lambda e: e.stats())
-            return {"workers": [{"worker_id": "local", "tenant": None, "ready": True, "draining": False,
+            view = {"workers": [{"worker_id": "local", "tenant": None, "ready": True, "draining": False,
                                  "inflight": 0, "engine": stats}], "target": 1, "allocation": {}}
+            tenant = args[0] if args else None  # as Controller.workers_view: None = the admin view
+            return admin_view(view) if tenant is None else tenant_view(view, tenant)
         return getattr(self.controller, method)(*args)
 
     async def generate(self, request, ready_timeout_s: float = 60.0):

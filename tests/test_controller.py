@@ -23,7 +23,7 @@ pytestmark = pytest.mark.ray
 TINY = "tiny-llama"
 APP = "scaled"
 TTL_S = 3.0
-TENANTS = {"tenants": [
+TENANTS = {"admin_keys": ["sk-admin"], "tenants": [
     {"name": "acme", "api_keys": ["sk-acme"]},
     {"name": "solo", "api_keys": ["sk-solo"]},
     {"name": "ghost", "api_keys": ["sk-ghost"], "limits": {"max_concurrent": 1}},
@@ -259,8 +259,8 @@ def test_lease_of_a_vanished_client_is_reclaimed(cluster):
     assert len(snap["clients"]) == 2  # the live replicas stay attached
 
 
-def _engines(cluster):
-    r = http(cluster).get("/kvmesh/workers", headers={"Authorization": "Bearer sk-acme"})
+def _engines(cluster):  # pool-wide counts: the admin view (a tenant sees only its own state)
+    r = http(cluster).get("/kvmesh/workers", headers={"Authorization": "Bearer sk-admin"})
     return [w["engine"] for w in r.json()["workers"] if w["engine"]]
 
 

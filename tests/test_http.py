@@ -16,7 +16,7 @@ import yaml
 pytestmark = pytest.mark.ray
 
 TINY = "tiny-llama"
-TENANTS = {"tenants": [
+TENANTS = {"admin_keys": ["sk-admin"], "tenants": [
     {"name": "acme", "api_keys": ["sk-acme"], "share_with": ["globex"]},
     {"name": "globex", "api_keys": ["sk-globex"]},
     {"name": "solo", "api_keys": ["sk-solo"]},
@@ -211,8 +211,8 @@ def test_rate_limit_is_429_with_retry_after(server):
     assert e.value.body["code"] == "rate_limit_exceeded"
 
 
-def _worker_engines(server):
-    r = http(server).get("/kvmesh/workers", headers={"Authorization": "Bearer sk-acme"})
+def _worker_engines(server):  # pool-wide counts: the admin view (a tenant sees only its own state)
+    r = http(server).get("/kvmesh/workers", headers={"Authorization": "Bearer sk-admin"})
     return [w["engine"] for w in r.json()["workers"] if w["engine"]]
 
 

@@ -1,0 +1,243 @@
+"""Quotas under a flood: a hostile tenant floods a served kvmesh app (loopback, default model on
+CPU); does a guaranteed, higher-priority tenant keep its TTFT and its cached blocks?
+
+Tenants: ``victim`` (priority 2, ``cache.min_blocks`` guaranteed) and ``flooder`` (priority 0,
+``limits`` on rate and concurrency). Phases:
+  1. the victim warms its system prompt (a shared prefix) and records the blocks it holds;
+  2. victim alone: ``--victim-requests`` requests (system prompt + a fresh question, 1 output
+     token, one every ``--victim-interval-s``), TTFT at the client;
+  3. the same victim load while ``--flood-clients`` threads send fresh long prompts as fast as they
+     can, ignoring Retry-After (bounded by ``--flood-requests`` and the phase's duration);
+  4. the victim's blocks held after the flood, and whether its system prompt still hits.
+Reports the victim's TTFT p50/p90/p99 alone and under the flood (target: p99 within 1.5x), its
+blocks before/after, the flooder's 200s and 429s (with Retry-After), and the engine's evictions.
+
+  python bench/flood.py          # ~3 min here
+Writes bench/results/flood.json. Loopback only; stops by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tenants(args) -> dict:
+    return {"admin_keys": ["sk-flood-admin"], "tenants": [
+        {"name": "victim", "api_keys": ["sk-victim"], "priority": 2, "cache": {"min_blocks": args.victim_min_blocks}},
+        {"name": "flooder", "api_keys": ["sk-flooder"], "priority": 0,
+         "limits": {"requests_per_s": args.flood_rate, "burst": args.flood_burst,
+                    "max_concurrent": args.flood_concurrency}},
+    ]}
+
+
+def stream_ttft(client, key: str, prompt: list[int], max_tokens: int, model: str) -> tuple[int, float, dict]:
+    """(status, seconds to the first token event or to the error, headers)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    t0 = time.perf_counter()
+    with client.stream("POST", "/v1/completions", headers={"Authorization": f"Bearer {key}"}, json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            return r.status_code, time.perf_counter() - t0, dict(r.headers)
+        t = None
+        for line in r.iter_lines():
+            if t is None and line.startswith("data: {"):
+                t = time.perf_counter() - t0
+        return 200, t if t is not None else float("nan"), {}
+
+
+def victim_phase(client, model, system, rng, vocab, n, interval_s, deadline) -> list[float]:
+    out = []
+    for _ in range(n):
+        if time.monotonic() > deadline:
+            break
+        t_next = time.monotonic() + interval_s
+        q = [rng.randrange(100, vocab - 100) for _ in range(32)]
+        code, t, _ = stream_ttft(client, "sk-victim", system + q, 1, model)
+        if code == 200:
+            out.append(t)
+        else:
+            print(f"  victim got HTTP {code}", flush=True)
+        time.sleep(max(0.0, t_next - time.monotonic()))
+    return out
+
+
+def pct(xs, q) -> float:
+    return 1e3 * float(np.quantile(np.asarray(xs), q)) if xs else float("nan")
+
+
+def victim_state(client) -> dict:
+    r = client.get("/kvmesh/workers", headers={"Authorization": "Bearer sk-flood-admin"}).json()
+    out = {"blocks_held": 0, "evictions": 0, "flooder_blocks_held": 0, "flooder_evictions": 0, "num_blocks": 0}
+    for w in r["workers"]:
+        e = w.get("engine") or {}
+        out["num_blocks"] += e.get("num_blocks", 0)
+        t = e.get("tenants", {})
+        out["blocks_held"] += t.get("victim", {}).get("blocks_held", 0)
+        out["evictions"] += t.get("victim", {}).get("evictions", 0)
+        out["flooder_blocks_held"] += t.get("flooder", {}).get("blocks_held", 0)
+        out["flooder_evictions"] += t.get("flooder", {}).get("evictions", 0)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--kv-cache-bytes", type=int, default=48 << 20, help="small: the flood must overflow it")
+    ap.add_argument("--system-tokens", type=int, default=256)
+    ap.add_argument("--victim-min-blocks", type=int, default=24)
+    ap.add_argument("--victim-requests", type=int, default=40)
+    ap.add_argument("--victim-interval-s", type=float, default=0.5)
+    ap.add_argument("--flood-clients", type=int, default=6)
+    ap.add_argument("--flood-requests", type=int, default=20000, help="bound on the flooder's attempts")
+    ap.add_argument("--flood-tokens", type=int, default=384)
+    ap.add_argument("--flood-max-tokens", type=int, default=8)
+    ap.add_argument("--flood-rate", type=float, default=4.0)
+    ap.add_argument("--flood-burst", type=int, default=4)
+    ap.add_argument("--flood-concurrency", type=int, default=2)
+    ap.add_argument("--phase-s", type=float, default=60.0, help="bound on each victim phase")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/flood.json"))
+    args = ap.parse_args()
+
+    import httpx
+    import ray
+    import yaml
+    from ray import serve
+
+    from cluster.app import build_app, load_tokenizer
+
+    t_start = time.monotonic()
+    rng = random.Random(args.seed)
+    tmp = Path(tempfile.mkdtemp(prefix="kvmesh-flood-"))
+    (tmp / "tenants.yaml").write_text(yaml.safe_dump(tenants(args)))
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app({"model": args.model, "tenants": str(tmp / "tenants.yaml"),
+                             "kv_cache_bytes": args.kv_cache_bytes, "worker_num_cpus": 1}),
+                  name="flood", route_prefix="/")
+        base = f"http://127.0.0.1:{port}"
+        client = httpx.Client(base_url=base, timeout=300)
+        model = client.get("/v1/models", headers={"Authorization": "Bearer sk-victim"}).json()["data"][0]["id"]
+        tok = load_tokenizer(args.model)[1]
+        vocab = int(getattr(tok, "vocab_size", 0) or len(tok))
+        system = [rng.randrange(100, vocab - 100) for _ in range(args.system_tokens)]
+        for _ in range(3):  # warm-up + the system prompt cached
+            stream_ttft(client, "sk-victim", system + [rng.randrange(100, vocab - 100) for _ in range(32)], 1, model)
+        before = victim_state(client)
+        print(f"victim holds {before['blocks_held']} of {before['num_blocks']} blocks; alone phase", flush=True)
+        alone = victim_phase(client, model, system, rng, vocab, args.victim_requests, args.victim_interval_s,
+                             time.monotonic() + args.phase_s)
+
+        # the cost scale of the flood: one flood-sized prompt alone (prefill of flood_tokens)
+        flood_alone = [stream_ttft(client, "sk-victim", [rng.randrange(100, vocab - 100)
+                                                         for _ in range(args.flood_tokens)], 1, model)[1]
+                       for _ in range(5)]
+        stop = threading.Event()
+        flood = {"ok": 0, "429": 0, "other": 0, "retry_after": [], "attempts": 0}
+        lock = threading.Lock()
+
+        def flooder(seed):
+            frng = random.Random(seed)
+            c = httpx.Client(base_url=base, timeout=300)
+            while not stop.is_set():
+                with lock:
+                    if flood["attempts"] >= args.flood_requests:
+                        return
+                    flood["attempts"] += 1
+                p = [frng.randrange(100, vocab - 100) for _ in range(args.flood_tokens)]
+                code, _, headers = stream_ttft(c, "sk-flooder", p, args.flood_max_tokens, model)
+                with lock:
+                    if code == 200:
+                        flood["ok"] += 1
+                    elif code == 429:
+                        flood["429"] += 1
+                        flood["retry_after"].append(headers.get("retry-after"))
+                    else:
+                        flood["other"] += 1
+                if code == 429:
+                    time.sleep(0.01)  # hostile: ignores Retry-After (a tiny pause keeps the client loop sane)
+
+        threads = [threading.Thread(target=flooder, args=(args.seed + i,), daemon=True)
+                   for i in range(args.flood_clients)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)  # the flood is established
+        print("under the flood", flush=True)
+        flooded = victim_phase(client, model, system, rng, vocab, args.victim_requests, args.victim_interval_s,
+                               time.monotonic() + args.phase_s)
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+        after = victim_state(client)
+        code, _, _ = stream_ttft(client, "sk-victim", system + [5] * 32, 1, model)
+        r = client.post("/v1/completions", headers={"Authorization": "Bearer sk-victim"},
+                        json={"model": model, "prompt": system + [7] * 32, "max_tokens": 1})
+        system_hit = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    ratio = pct(flooded, 0.99) / pct(alone, 0.99)
+    retry = [int(x) for x in flood["retry_after"] if x is not None]
+    res = {
+        "victim_ttft_ms": {"alone": {"n": len(alone), "p50": pct(alone, .5), "p90": pct(alone, .9), "p99": pct(alone, .99)},
+                           "flood": {"n": len(flooded), "p50": pct(flooded, .5), "p90": pct(flooded, .9),
+                                     "p99": pct(flooded, .99)}},
+        "flood_sized_prompt_ttft_alone_ms": {"p50": pct(flood_alone, .5), "n": len(flood_alone)},
+        "p99_ratio_flood_over_alone": ratio, "target_p99_ratio": 1.5, "meets_target": ratio <= 1.5,
+        "victim_blocks": {"before": before["blocks_held"], "after": after["blocks_held"],
+                          "min_blocks": args.victim_min_blocks, "evictions": after["evictions"]},
+        "victim_system_prompt_cached_tokens_after": system_hit,
+        "flooder": {"attempts": flood["attempts"], "ok": flood["ok"], "rejected_429": flood["429"],
+                    "other_errors": flood["other"], "all_429_had_retry_after": len(retry) == flood["429"],
+                    "retry_after_s_min": min(retry) if retry else None,
+                    "blocks_held_after": after["flooder_blocks_held"], "evictions": after["flooder_evictions"]},
+        "args": vars(args), "seconds": time.monotonic() - t_start,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    v = res["victim_ttft_ms"]
+    print(f"\nmachine: {res['machine']}; {res['seconds']:.0f} s")
+    print(f"victim TTFT ms   alone: p50 {v['alone']['p50']:.0f} p90 {v['alone']['p90']:.0f} p99 {v['alone']['p99']:.0f}"
+          f"  (n={v['alone']['n']})")
+    print(f"                 flood: p50 {v['flood']['p50']:.0f} p90 {v['flood']['p90']:.0f} p99 {v['flood']['p99']:.0f}"
+          f"  (n={v['flood']['n']})")
+    print(f"one {args.flood_tokens}-token prompt alone: TTFT p50 {pct(flood_alone, .5):.0f} ms (the flood's step scale)")
+    print(f"p99 flood/alone: {ratio:.2f}x (target <= 1.5x: {'met' if ratio <= 1.5 else 'MISSED'})")
+    print(f"victim blocks before/after: {before['blocks_held']}/{after['blocks_held']} (min {args.victim_min_blocks},"
+          f" evictions {after['evictions']}); system prompt cached after: {system_hit} tokens")
+    print(f"flooder: {flood['attempts']} attempts, {flood['ok']} served, {flood['429']} x 429 "
+          f"(Retry-After on all: {len(retry) == flood['429']}), {flood['other']} other errors")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
