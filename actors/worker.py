@@ -67,7 +67,8 @@ class Worker:
         self.export_delay_s = 0.0
         self.router = None  # RouterClient when a router actor exists (reports measurements)
         self.donor_stats = {"pulled": 0, "failed": 0, "skipped": 0}
-        self.export_stats = {"calls": 0, "blocks": 0, "faulted": 0}  # export_prefix served to pulling peers
+        self.export_stats = {"calls": 0, "blocks": 0}  # export_prefix served to pulling peers
+        self.fault_stats = {"exports_faulted": 0}  # exports the fault hooks slowed or altered
         self.pull_stats = {"rejected_digest": 0}  # pulled chunks refused: content != the holder's digest
         self._aborted: OrderedDict[str, None] = OrderedDict()  # aborts of requests not (yet) in the engine
 
@@ -161,7 +162,7 @@ class Worker:
             return None
         data = await asyncio.to_thread(data.with_digest)  # off the engine thread (~1 GB/s)
         if self.export_delay_s or "export_corrupt" in self.faults:
-            self.export_stats["faulted"] += 1
+            self.fault_stats["exports_faulted"] += 1
             await asyncio.sleep(self.export_delay_s)
             if "export_corrupt" in self.faults:  # after the digest: as if damaged on the way
                 k = data.k.copy()
@@ -310,7 +311,8 @@ class Worker:
 
     async def stats(self) -> dict:
         return {**await self.engine.call(lambda e: e.stats()), "donor_pulls": dict(self.donor_stats),
-                "exports": dict(self.export_stats), "pulls": dict(self.pull_stats)}
+                "exports": dict(self.export_stats), "pulls": dict(self.pull_stats),
+                "faults": dict(self.fault_stats)}
 
     async def pool_accounting(self) -> dict:
         """The block pool's books: ``free`` (free list) + ``cached_idle`` (cached, refcount 0)

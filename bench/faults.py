@@ -98,9 +98,10 @@ class Monitor:
         router = _try(lambda: ray.get(ray.get_actor(f"kvmesh-router:{APP}", namespace="kvmesh")
                                       .__ray_ready__.remote(), timeout=2) or True, False)
         st = _try(lambda: ray.serve.status().applications[APP].deployments["KvmeshIngress"].replica_states, {})
+        names = _try(lambda: servelab.replica_names(APP), [])
         return {"t": t, "health": health, "ready": ready, "index_epoch": (idx or {}).get("epoch"),
                 "index_blocks": (idx or {}).get("blocks"), "index_workers": idx_workers, "router": bool(router),
-                "replicas_running": (st or {}).get("RUNNING", 0)}
+                "replicas_running": (st or {}).get("RUNNING", 0), "replicas": names}
 
     async def run(self) -> None:
         while not self._stop:
@@ -196,7 +197,7 @@ class FaultBench:
         n = 0
         for h in self._workers().values():
             s = _try(lambda h=h: ray.get(h.stats.remote(), timeout=5))
-            n += s["exports"]["faulted"] if s else 0
+            n += s["faults"]["exports_faulted"] if s else 0
         return n
 
     def digest_rejections(self) -> int:
@@ -265,7 +266,9 @@ class FaultBench:
             done_pred = lambda s: s["health"] == 200 and len(s["ready"]) == self.n_workers  # noqa: E731
         elif name == "ingress_kill":
             info = await thread(self.kill_role, "ingress")
-            done_pred = lambda s: s["replicas_running"] == a.replicas  # noqa: E731
+            victim = info["victim"]
+            done_pred = lambda s: (s["replicas_running"] == a.replicas and len(s["replicas"]) == a.replicas  # noqa: E731
+                                   and victim not in s["replicas"])
         elif name == "link_cut":
             await thread(self.cut_link, False)
             info = {"cut_s": a.cut_s, "node": self.ns_node.name}
@@ -339,6 +342,8 @@ class FaultBench:
             r["index_back_s"] = mon.first(t0, lambda s: s["index_epoch"] not in (None, old))
             r["index_rebuilt_s"] = mon.first(t0, lambda s: s["index_epoch"] not in (None, old)
                                              and set(s["ready"]) <= set(s["index_workers"]) and s["index_blocks"])
+            if r["index_back_s"] is not None and r["index_rebuilt_s"] is not None:
+                r["rebuilt_after_restart_s"] = round(r["index_rebuilt_s"] - r["index_back_s"], 3)
             r["blocks_before"] = pre["index_blocks"]
         elif name == "router_kill":
             r["router_back_s"] = mon.first(t0, lambda s: s["router"])
@@ -352,7 +357,10 @@ class FaultBench:
                 and set(s["ready"]) <= set(s["index_workers"]))
             r["index_dropped_old_workers_s"] = mon.first(t0, lambda s: not (set(s["index_workers"]) & old))
         elif name == "ingress_kill":
-            r["replicas_back_s"] = mon.first(t0, lambda s: s["replicas_running"] == self.args.replicas)
+            v, n = info["victim"], self.args.replicas
+            r["victim_gone_s"] = mon.first(t0, lambda s: v not in s["replicas"])
+            r["replicas_back_s"] = mon.first(t0, lambda s: s["replicas_running"] == n and len(s["replicas"]) == n
+                                             and v not in s["replicas"])
         elif name == "link_cut":
             ns = {w for w, st in self._placement().items() if st == "ns"}
             restore = t0 + info["restored_after_s"]
@@ -378,7 +386,8 @@ async def amain(lab, args) -> dict:
     settings = {"model": args.model, "workers": args.workers, "kv_cache_bytes": args.kv_cache_mb << 20,
                 "client_ttl_s": args.client_ttl_s, "max_num_seqs": 32}
     t0 = time.time()
-    url = await thread(servelab.start_app, APP, settings, tenants, args.replicas)
+    # replicas (and so the controller) on the head: the link cut isolates workers, not the front
+    url = await thread(servelab.start_app, APP, settings, tenants, args.replicas, {lab.head.resource: 0.001})
     log(f"app up in {time.time() - t0:.0f}s at {url}")
     prompts = make_prompts(args.prefixes, args.questions, args.prefix_words, args.seed)
     b = FaultBench(lab, url, args, prompts)
@@ -427,7 +436,7 @@ def main() -> None:
     if os.nice(0) < 5:
         os.nice(5 - os.nice(0))
     load0, t0 = os.getloadavg(), time.time()
-    with netlab([LinkSpec("cut", 1000, num_cpus=2)], head_cpus=2, head_object_store_mb=512) as lab:
+    with netlab([LinkSpec("cut", 1000, num_cpus=1)], head_cpus=2, head_object_store_mb=512, boot_timeout_s=300) as lab:
         log(f"lab up in {time.time() - t0:.0f}s: head {lab.head.ip}, ns node {lab.nodes['cut'].ip}")
         try:
             out = asyncio.run(amain(lab, args))

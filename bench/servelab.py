@@ -27,13 +27,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_app(app: str, settings: dict, tenants_data: dict, num_replicas: int = 1) -> str:
-    """Deploy the app; returns its base URL once every replica is up (workers ready)."""
+def start_app(app: str, settings: dict, tenants_data: dict, num_replicas: int = 1,
+              replica_resources: dict | None = None) -> str:
+    """Deploy the app; returns its base URL once every replica is up (workers ready).
+    ``replica_resources`` pins the ingress replicas (e.g. ``{"node:<head ip>": 0.001}``; the
+    controller, created by a replica, then starts on that node too)."""
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     s = AppSettings(**settings)
-    serve.run(KvmeshIngress.options(num_replicas=num_replicas).bind(dataclasses.asdict(s), tenants_data),
-              name=app, route_prefix="/")
+    opts = {"num_cpus": 0, **({"resources": replica_resources} if replica_resources else {})}
+    serve.run(KvmeshIngress.options(num_replicas=num_replicas, ray_actor_options=opts)
+              .bind(dataclasses.asdict(s), tenants_data), name=app, route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
 
@@ -77,6 +81,12 @@ def processes(app: str) -> dict[str, list[dict]]:
         if pn:
             out.setdefault("worker", []).append({"name": wid, "pid": pn[0], "node_id": pn[1]})
     return out
+
+
+def replica_names(app: str) -> list[str]:
+    """Names of the app's live ingress replica actors (a GCS call, cheap)."""
+    return sorted(e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+                  if e["name"].startswith("SERVE_REPLICA::") and f"{app}#KvmeshIngress" in e["name"])
 
 
 def index_handle():

@@ -307,6 +307,16 @@ class WorkerPool:
                 await self.autoscale_once()
             except Exception:  # noqa: BLE001 - keep scaling on the next tick
                 log.exception("autoscale tick failed")
+            self.sync_router()
+
+    def sync_router(self) -> None:
+        """Tell the router actor every routable worker's node (fire and forget): a router that
+        was restarted after its process died knows none of them (it would price every pull as
+        cross-node and report no worker's estimates)."""
+        if self._router_client is not None:
+            nodes = {w.worker_id: w.info["node_id"] for w in self.workers.values() if w.routable}
+            if nodes:
+                self._router_client.report("sync_workers", nodes)
 
     async def _apply(self, decision: ScaleDecision) -> None:
         self.last_decision = decision
