@@ -161,7 +161,7 @@ def object_store() -> dict:
     from ray._private.internal_api import memory_summary
 
     try:
-        text = memory_summary(stats_only=True)
+        text = memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=True)
     except Exception as e:  # noqa: BLE001 - reported
         return {"error": repr(e)}
     out = {"summary": text.strip().splitlines()[-12:]}
