@@ -147,3 +147,22 @@ def test_router_actor_restarts_and_the_pool_re_registers_its_workers():
     finally:
         if started:
             ray.shutdown()
+
+
+def test_a_tenant_with_an_assigned_worker_may_still_use_idle_shared_workers():
+    """Found by bench/faults.py: one tenant under steady load (demand < target_tokens_per_worker)
+    got one assigned worker and all its requests queued there while the other ready workers
+    (shared, e.g. a replacement for a killed worker) served nothing."""
+    from cluster.pool import PoolConfig, WorkerPool, WorkerState
+
+    pool = WorkerPool(PoolConfig(cost_aware_routing=False))
+    info = {"node_id": "n"}
+    pool.workers = {"w0": WorkerState("w0", None, info, tenant="acme"),
+                    "w1": WorkerState("w1", None, info),
+                    "w2": WorkerState("w2", None, info, tenant="globex"),
+                    "w3": WorkerState("w3", None, None)}  # starting
+    assert [w.worker_id for w in pool.candidates("acme")] == ["w0", "w1"]
+    assert [w.worker_id for w in pool.candidates("initech")] == ["w1"]  # never another tenant's worker
+    pool.workers["w1"].draining = True
+    assert [w.worker_id for w in pool.candidates("acme")] == ["w0"]
+    assert [w.worker_id for w in pool.candidates("initech")] == ["w0", "w2"]  # nothing shared: any
