@@ -52,7 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.netlab import LinkSpec, leftovers, netlab  # noqa: E402  (sets RAY_AUTH_MODE before ray)
+from bench.netlab import LinkSpec, leftovers  # noqa: E402  (sets RAY_AUTH_MODE before ray)
 
 import httpx  # noqa: E402
 import ray  # noqa: E402
@@ -451,7 +451,7 @@ def main() -> None:
     if os.nice(0) < 5:
         os.nice(5 - os.nice(0))
     load0, t0 = os.getloadavg(), time.time()
-    with netlab([LinkSpec("cut", 1000, num_cpus=1)], head_cpus=2, head_object_store_mb=512, boot_timeout_s=300) as lab:
+    with servelab.lab_with_retries([LinkSpec("cut", 1000, num_cpus=1)], head_cpus=2, head_object_store_mb=512, boot_timeout_s=300) as lab:
         log(f"lab up in {time.time() - t0:.0f}s: head {lab.head.ip}, ns node {lab.nodes['cut'].ip}")
         try:
             out = asyncio.run(amain(lab, args))

@@ -8,7 +8,12 @@ knows (the workers are the controller's unnamed children).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import shutil
+import sys
+import tempfile
+from pathlib import Path
 import socket
 import time
 
@@ -19,6 +24,38 @@ from actors.index_actor import INDEX_NAME, NAMESPACE
 from actors.router import router_name
 from cluster.app import AppSettings, KvmeshIngress
 from cluster.controller import controller_name
+
+
+@contextlib.contextmanager
+def lab_with_retries(specs, attempts: int = 6, **kwargs):
+    """``bench.netlab.netlab(specs, **kwargs)``, retried when the Ray head or a node fails to
+    start (seen on the shared machine under load 20-30; each failed try cleans up after itself)."""
+    import bench.netlab as netlab_mod
+    from bench.netlab import netlab
+
+    wrapper = Path(tempfile.mkdtemp(prefix="kvm-i13-")) / "ray"
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {Path(__file__).with_name('ray_patient.py')} \"$@\"\n")
+    wrapper.chmod(0o755)
+    netlab_mod.RAY_BIN = str(wrapper)  # node starts wait for a slow raylet (see bench/ray_patient.py)
+    try:
+        for i in range(attempts):
+            cm = netlab(specs, **kwargs)
+            try:
+                lab = cm.__enter__()
+                break
+            except (RuntimeError, TimeoutError) as e:
+                if i == attempts - 1:
+                    raise
+                print(f"netlab start failed ({e}); retrying", flush=True)
+        try:
+            yield lab
+        except BaseException:
+            if not cm.__exit__(*sys.exc_info()):
+                raise
+        else:
+            cm.__exit__(None, None, None)
+    finally:
+        shutil.rmtree(wrapper.parent, ignore_errors=True)
 
 
 def free_port() -> int:
