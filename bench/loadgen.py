@@ -146,7 +146,8 @@ def summarize(outs: list[Outcome], refs: dict[int, str] | None = None) -> dict:
             wrong += 1
     ttfts = sorted(o.ttft_s for o in outs if o.status == "ok" and o.ttft_s is not None)
     pt = sum(o.prompt_tokens for o in outs if o.status == "ok")
-    return {"requests": len(outs), "by_status": by_status, "errors_by_kind": kinds, "wrong_outputs": wrong,
+    return {"requests": len(outs), "by_status": by_status, "errors_by_kind": kinds,
+            "wrong_outputs": wrong if refs is not None else None,  # None: outputs not checked
             "lost": by_status.get("lost", 0) + by_status.get("hung", 0),
             "hit_rate": (sum(o.cached_tokens for o in outs if o.status == "ok") / pt) if pt else None,
             "ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else None,
