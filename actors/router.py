@@ -55,6 +55,14 @@ class Router:
     def remove(self, worker: WorkerId) -> None:
         self.model.remove(worker)
 
+    def sync_workers(self, nodes: Mapping[WorkerId, NodeId]) -> int:
+        """Register the workers of ``nodes`` this router does not know (a restarted router
+        starts empty; the pool sends its live workers every tick). Returns how many were new."""
+        new = [w for w in nodes if w not in self.model.nodes]
+        for w in new:
+            self.model.register(w, nodes[w])
+        return len(new)
+
     def report_prefill(self, worker: WorkerId, new_tokens: int, seconds: float, cached_tokens: int = 0) -> None:
         self.model.observe_prefill(worker, new_tokens, seconds, cached_tokens)
 
@@ -113,8 +121,11 @@ class Router:
 
 def get_or_create_router(config: CostConfig | None = None, detached: bool = False, app: str | None = None):
     """The named router actor of ``app`` (``router_name(app)``), created on first use
-    (``get_if_exists`` makes creation race-free); owned by the caller unless ``detached``."""
-    opts = dict(name=router_name(app), namespace=ROUTER_NAMESPACE, get_if_exists=True, num_cpus=0)
+    (``get_if_exists`` makes creation race-free); owned by the caller unless ``detached``.
+    Restarted by Ray if its process dies (``max_restarts=-1``; the handles stay valid): it comes
+    back with empty estimates, and the pool re-registers its workers (``sync_workers``)."""
+    opts = dict(name=router_name(app), namespace=ROUTER_NAMESPACE, get_if_exists=True, num_cpus=0,
+                max_restarts=-1)
     if detached:
         opts["lifetime"] = "detached"
     return ray.remote(Router).options(**opts).remote(config)

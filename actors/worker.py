@@ -63,10 +63,14 @@ class Worker:
         self.pull_chunk_bytes = pull_chunk_bytes
         self.pull_window = max(1, pull_window)  # chunks requested ahead of the one being imported
         self.donor_pull_timeout_s = donor_pull_timeout_s  # all donor offers together: the request waits
-        self.faults: set[str] = set()  # test hook: "export" makes export_prefix fail
+        # fault hooks (tests, bench/faults.py), see ``set_faults``
+        self.faults: set[str] = set()
+        self.export_delay_s = 0.0
         self.router = None  # RouterClient when a router actor exists (reports measurements)
         self.donor_stats = {"pulled": 0, "failed": 0, "skipped": 0}
         self.export_stats = {"calls": 0, "blocks": 0}  # export_prefix served to pulling peers
+        self.fault_stats = {"exports_faulted": 0}  # exports the fault hooks slowed or altered
+        self.pull_stats = {"rejected_digest": 0}  # pulled chunks refused: content != the holder's digest
         self._aborted: OrderedDict[str, None] = OrderedDict()  # aborts of requests not (yet) in the engine
 
     def ready(self) -> dict:
@@ -157,6 +161,16 @@ class Worker:
         data = await self.engine.call(lambda e: e.export_prefix(chains, start_block, end_block))
         self.export_stats["calls"] += 1
         self.export_stats["blocks"] += 0 if data is None else data.num_blocks
+        if data is None:
+            return None
+        data = await asyncio.to_thread(data.with_digest)  # off the engine thread (~1 GB/s)
+        if self.export_delay_s or "export_corrupt" in self.faults:
+            self.fault_stats["exports_faulted"] += 1
+            await asyncio.sleep(self.export_delay_s)
+            if "export_corrupt" in self.faults:  # after the digest: as if damaged on the way
+                k = data.k.copy()
+                k.reshape(-1)[:: max(1, k.size // 64)] += 1
+                data = replace(data, k=k)
         return data
 
     async def _pull(self, request: Request, pulls: tuple[Pull, ...]) -> tuple[int, int]:
@@ -198,6 +212,9 @@ class Worker:
                     data, arrived = await ahead.popleft()
                     if data is None:
                         return
+                    if not await asyncio.to_thread(data.digest_ok):
+                        self.pull_stats["rejected_digest"] += 1
+                        raise ValueError(f"pulled blocks {a}-{b} fail their digest: recomputing them")
                     got["nbytes"] += data.nbytes
                     got["seconds"] = arrived
                     imp = asyncio.ensure_future(self.engine.call(
@@ -274,9 +291,17 @@ class Worker:
         return True
 
     def set_faults(self, faults: list[str]) -> None:
-        """Test hooks: "export" / "export_donor" make those calls fail; "engine_death" ends the
-        engine loop now (as a fatal step error would)."""
-        self.faults = set(faults)
+        """Fault hooks for tests and ``bench/faults.py`` (replaces the previous set):
+        ``export`` / ``export_donor``: those calls raise; ``export_slow:<s>``: each KV export
+        answers ``s`` seconds late; ``export_corrupt``: exported KV is altered after its digest
+        (the puller must refuse it); ``engine_death``: ends the engine loop now (as a fatal step
+        error would)."""
+        self.faults, self.export_delay_s = set(), 0.0
+        for f in faults:
+            name, _, arg = f.partition(":")
+            if name == "export_slow":
+                self.export_delay_s = float(arg or 1.0)
+            self.faults.add(name)
         if "engine_death" in self.faults:
             self.engine.die(RuntimeError("simulated engine death"))
 
@@ -308,7 +333,24 @@ class Worker:
 
     async def stats(self) -> dict:
         return {**await self.engine.call(lambda e: e.stats()), "donor_pulls": dict(self.donor_stats),
-                "exports": dict(self.export_stats)}
+                "exports": dict(self.export_stats), "pulls": dict(self.pull_stats),
+                "faults": dict(self.fault_stats)}
+
+    async def pool_accounting(self) -> dict:
+        """The block pool's books: ``free`` (free list) + ``cached_idle`` (cached, refcount 0)
+        + ``in_use`` (refcount > 0) == ``total``; after a drain ``in_use`` must be 0.
+        ``invariants`` is None when ``BlockPool.check_invariants`` passes, else its message."""
+        def books(e) -> dict:
+            pool = e.pool
+            try:
+                pool.check_invariants()
+                err = None
+            except AssertionError as x:
+                err = str(x) or "invariant violated"
+            return {"free": len(pool._free), "cached_idle": pool.eviction.num_evictable(), "in_use": pool.num_in_use(),
+                    "total": pool.num_blocks, "running": len(e.scheduler.running),
+                    "waiting": len(e.scheduler.waiting), "invariants": err}
+        return await self.engine.call(books)
 
     # -- global prefix index (issue 4) -----------------------------------------------------
     async def snapshot(self) -> list[tuple[bytes, bytes | None, str | None]]:

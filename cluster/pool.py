@@ -316,6 +316,16 @@ class WorkerPool:
                 await self.autoscale_once()
             except Exception:  # noqa: BLE001 - keep scaling on the next tick
                 log.exception("autoscale tick failed")
+            self.sync_router()
+
+    def sync_router(self) -> None:
+        """Tell the router actor every routable worker's node (fire and forget): a router that
+        was restarted after its process died knows none of them (it would price every pull as
+        cross-node and report no worker's estimates)."""
+        if self._router_client is not None:
+            nodes = {w.worker_id: w.info["node_id"] for w in self.workers.values() if w.routable}
+            if nodes:
+                self._router_client.report("sync_workers", nodes)
 
     async def _apply(self, decision: ScaleDecision) -> None:
         self.last_decision = decision
@@ -358,12 +368,15 @@ class WorkerPool:
 
     # -- requests ----------------------------------------------------------------------------
     def candidates(self, tenant: str) -> list[WorkerState]:
+        """A tenant's own workers plus the unassigned (shared) ones; without own workers the
+        shared ones, else any. Workers assigned to another tenant are never offered while a
+        shared or own worker is ready. (Own workers alone left shared workers idle while the
+        tenant queued on its one assigned worker: the autoscaler allots a tenant one worker per
+        ``target_tokens_per_worker`` of demand, and the assignment is sticky.)"""
         ready = [w for w in self.workers.values() if w.routable]
         own = [w for w in ready if w.tenant == tenant]
-        if own:
-            return own
         shared = [w for w in ready if w.tenant is None]
-        return shared or ready
+        return own + shared if own else shared or ready
 
     async def acquire(self, request: Request, ready_timeout_s: float = 60.0) -> tuple[WorkerState, RouteChoice]:
         """Route a request and count it on the chosen worker: it stays in flight (demand, the

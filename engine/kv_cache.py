@@ -29,6 +29,17 @@ class KVBlocks:
     model_id: str
     hashes: tuple[bytes, ...] = ()
     dtype: str = "float32"  # torch dtype of the cache; bfloat16 travels as int16 bits (numpy has none)
+    digest: bytes = b""  # sha256 over everything above (``kv_digest``), set by the exporting worker
+
+    def with_digest(self) -> "KVBlocks":
+        from dataclasses import replace
+
+        return replace(self, digest=kv_digest(self))
+
+    def digest_ok(self) -> bool:
+        """True iff ``digest`` is set and matches the content (catches blocks corrupted between
+        the holder's export and the import; KV that was already wrong on the holder is not)."""
+        return bool(self.digest) and kv_digest(self) == self.digest
 
     @property
     def num_blocks(self) -> int:
@@ -37,6 +48,20 @@ class KVBlocks:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+
+def kv_digest(data: KVBlocks) -> bytes:
+    """sha256 of a ``KVBlocks``' arrays, positions, hashes, model id and dtype (~1 GB/s here)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for a in (data.k, data.v):
+        h.update(repr((a.dtype.str, a.shape)).encode())
+        h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+    h.update(repr((data.positions, data.model_id, data.dtype)).encode())
+    for x in data.hashes:
+        h.update(x)
+    return h.digest()
 
 
 def token_slots(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
