@@ -224,17 +224,14 @@ def test_minimum_guarantee_protects_a_tenant_from_others_demand(tiny_model):
     assert_drained(eng)
 
 
-def test_others_minimums_never_deadlock_a_request_that_cannot_otherwise_fit(tiny_model):
+def test_a_request_that_could_only_fit_by_taking_others_minimums_is_refused_not_deadlocked(tiny_model):
+    from engine.sequence import InvalidRequest
+
     eng = engine(tiny_model, num_blocks=11, quotas={"A": TenantQuota(min_blocks=8)})
     warm_and_release(eng, "A", tokens(70, 129), "a")  # A holds its 8 guaranteed blocks
-    eng.add_request(Request("b", tokens(71, 80), greedy(8), tenant="B"))  # needs 6 blocks, 3 are free
-    for _ in range(200):
-        if not eng.has_unfinished():
-            break
-        eng.step()
-        eng.pool.check_invariants()
-    assert not eng.has_unfinished()
-    assert eng.stats()["tenants"]["A"]["blocks_held"] < 8
+    with pytest.raises(InvalidRequest, match="may hold at most 3"):  # needs 6 blocks; B's share is 3
+        eng.add_request(Request("b", tokens(71, 80), greedy(8), tenant="B"))
+    assert not eng.has_unfinished() and eng.stats()["tenants"]["A"]["blocks_held"] == 8
     assert_drained(eng)
 
 
