@@ -166,7 +166,8 @@ def decode_message(payload: bytes) -> tuple[Batch, SlotUpdate]:
     def slot_event(fields):
         if not (isinstance(fields, list) and len(fields) == 7) or fields[0] not in (SLOT_ADDED, SLOT_REMOVED) \
                 or isinstance(fields[0], bool):
-            raise ValueError("a slot event is [kind, template_id, slot_class, domain, slot_id, num_tokens, tenant]")
+            raise ValueError("unknown slot event kind or shape: a slot event is [kind, template_id, slot_class, "
+                             "domain, slot_id, num_tokens, tenant]")
         return (fields[0] == SLOT_ADDED, *slot(fields[1:]))
 
     slot_events = tuple(slot_event(x) for x in _field(m, "se", list, ()))

@@ -224,15 +224,14 @@ def test_minimum_guarantee_protects_a_tenant_from_others_demand(tiny_model):
     assert_drained(eng)
 
 
-def test_others_minimums_never_deadlock_a_request_that_cannot_otherwise_fit(tiny_model):
+def test_a_request_that_could_only_fit_by_taking_others_minimums_is_refused_not_deadlocked(tiny_model):
+    from engine.sequence import InvalidRequest
+
     eng = engine(tiny_model, num_blocks=11, quotas={"A": TenantQuota(min_blocks=8)})
     warm_and_release(eng, "A", tokens(70, 129), "a")  # A holds its 8 guaranteed blocks
-    # needs 6 blocks, only 3 are not A's guarantee: refused up front (merged i13-robust: no
-    # last-resort eviction of another tenant's minimum), so nothing waits forever either
-    with pytest.raises(InvalidRequest, match="guaranteed minimum"):
+    with pytest.raises(InvalidRequest, match="may hold at most 3"):  # needs 6 blocks; B's share is 3
         eng.add_request(Request("b", tokens(71, 80), greedy(8), tenant="B"))
-    assert not eng.has_unfinished()
-    assert eng.stats()["tenants"]["A"]["blocks_held"] == 8
+    assert not eng.has_unfinished() and eng.stats()["tenants"]["A"]["blocks_held"] == 8
     assert_drained(eng)
 
 
