@@ -16,7 +16,10 @@ index lookup, network-aware cost model) plug in here and may name a pull source.
 Tenant autoscaling: every ``interval_s`` the pool hands per-tenant demand (tokens of queued and
 running requests) to ``policies.autoscale.TenantAutoscaler``, creates or drains workers to meet
 the target and assigns workers to tenants by the allocation. A tenant's requests go to the
-workers assigned to it; a tenant with no assignment uses unassigned workers (or any worker).
+workers assigned to it and to the unassigned (shared) ones, never to another tenant's; when
+there are neither, to any worker. (Own workers only would leave shared workers idle: with one
+tenant whose demand asks for one worker, every request went to that worker while the other
+idled: 23 of 24 in issue 11's run.)
 Draining workers finish their requests and are then killed.
 
 Worker ids are ``<app>-w<n>`` (``w<n>`` when ``PoolConfig.app`` is empty), unique across the apps

@@ -58,7 +58,7 @@ class PlacementConfig:
     place_slack: float = 1.0  # new prefix: workers within this x the prompt's own prefill of the fastest
     place_abs_s: float = 0.05
     warm_s: float = 30.0  # a block used this recently is warm: evicting it costs a future hit
-    index_lag_s: float = 5.0  # the index shows a computed prefix within this long
+    index_lag_s: float = 30.0  # the index shows a routed prefix within this long (queue + prefill + publish)
     key_blocks: int = 4  # leading blocks that key the rendezvous tie-break
 
 

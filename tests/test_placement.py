@@ -269,3 +269,19 @@ def test_simulation_refuses_a_pool_smaller_than_one_request():
     items, cfg = issue_sizing(workers=4, prefix_over_pool=6.0)  # 1.5 pools per prefix: cannot be cached
     with pytest.raises(ValueError, match="blocks"):
         simulate(items, "kvmesh", SimConfig(**{**cfg.__dict__}))
+
+
+def test_a_tenant_uses_its_own_and_the_shared_workers_never_another_tenants():
+    """Issue 11's run: with one tenant whose demand asked for one worker, the pool sent every
+    request to that worker and left the other idle. Own + shared workers are candidates."""
+    from cluster.pool import PoolConfig, WorkerPool
+    from cluster.types import WorkerState
+
+    pool = WorkerPool(PoolConfig())
+    for wid, tenant in (("w0", "acme"), ("w1", None), ("w2", "globex"), ("w3", None)):
+        pool.workers[wid] = WorkerState(wid, None, info={}, tenant=tenant)
+    assert [w.worker_id for w in pool.candidates("acme")] == ["w0", "w1", "w3"]
+    assert [w.worker_id for w in pool.candidates("other")] == ["w1", "w3"]
+    pool.workers["w1"].tenant = pool.workers["w3"].tenant = "globex"
+    assert [w.worker_id for w in pool.candidates("acme")] == ["w0"]
+    assert [w.worker_id for w in pool.candidates("other")] == ["w0", "w1", "w2", "w3"]  # none of its own: any

@@ -287,3 +287,17 @@ async def test_router_actor_decides_and_client_falls_back(ray_local):
     ray.kill(h)
     await asyncio.sleep(0.5)
     assert await gone.decide(10, {}) is None
+
+
+def test_pending_prefix_counts_as_the_workers_own_and_is_never_pulled_from():
+    """A prefix routed to A but not yet indexed (``pending``) makes A a local holder in the
+    ranking; no other worker plans a pull from A for it (its blocks may not exist yet)."""
+    cm = model(("A", "n1"), ("B", "n2"))
+    ranked = {c.worker: c for c in cm.rank(640, {}, ["A", "B"], pending={"A": 592})}
+    assert ranked["A"].kind == "local" and ranked["A"].local_tokens == 592
+    assert ranked["B"].kind == "recomputed" and ranked["B"].pulls == ()
+    assert ranked["A"].expected_ttft_s < ranked["B"].expected_ttft_s
+    # with the index showing it on A too, B may pull; pending never lowers what the index shows
+    both = {c.worker: c for c in cm.candidates(640, {"A": 592}, ["A", "B"], pending={"A": 16})}
+    assert both["A"].local_tokens == 592
+    assert any(c.kind == "pulled" for c in cm.candidates(640, {"A": 592}, ["B"]))
