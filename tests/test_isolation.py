@@ -254,7 +254,8 @@ def test_router_offers_no_pull_donor_or_replication_across_domains(tenants):
     workers = {w: _Worker() for w in ("wa", "wb", "wc")}
     info = {"node_id": "n1", "model_id": model}
     states = {w: WorkerState(w, _Handle(workers[w]), {**info, "node_id": f"n-{w}"}) for w in workers}
-    states["wa"].inflight, states["wa"].inflight_tokens = 1, 10 ** 7  # the holder is busy: pulls pay off
+    states["wa"].inflight, states["wa"].inflight_tokens = 1, 10 ** 7
+    states["wa"].queued["load"] = 10 ** 7  # the holder is busy (its queue is the router's load signal): pulls pay off
     router_policy = Router(CostConfig(block_size=BS, bytes_per_token=1000))
     for w in workers:
         router_policy.register(w, f"n-{w}")
