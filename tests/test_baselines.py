@@ -2,12 +2,10 @@
 as Serve replicas behind kvmesh's OpenAI ingress, routed by Serve's power-of-two router and by
 Ray's real ``PrefixCacheAffinityRouter``. Tiny model, 2 replicas, Ray on loopback."""
 
-import os
-import socket
 
 import httpx
 import pytest
-import yaml
+from tests.serving import local_serve
 
 pytestmark = pytest.mark.ray
 
@@ -16,29 +14,10 @@ TENANTS = {"tenants": [{"name": "acme", "api_keys": ["sk-acme"]}]}
 KEY = {"Authorization": "Bearer sk-acme"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def serve_base(tmp_path_factory):
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    import ray
-    from ray import serve
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    tenants = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
-    tenants.write_text(yaml.safe_dump(TENANTS))
-    yield {"base": f"http://127.0.0.1:{port}", "tenants": str(tenants), "serve": serve, "deployed": set()}
-    serve.shutdown()
-    if started:
-        ray.shutdown()
+    with local_serve(TENANTS, tmp_path_factory.mktemp("tenants")) as (base, tenants, serve):
+        yield {"base": base, "tenants": str(tenants), "serve": serve, "deployed": set()}
 
 
 def _deploy(env, router: str) -> str:

@@ -9,14 +9,12 @@ resolved by the controller only.
 
 import asyncio
 import dataclasses
-import os
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import yaml
+from tests.serving import local_serve
 
 pytestmark = pytest.mark.ray
 
@@ -30,38 +28,20 @@ TENANTS = {"admin_keys": ["sk-admin"], "tenants": [
 ]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
-    from ray import serve
 
     from cluster.app import AppSettings, KvmeshIngress
     from cluster.controller import NAMESPACE, controller_name
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    path = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
-    path.write_text(yaml.safe_dump(TENANTS))
-    settings = AppSettings.from_args({"model": TINY, "tenants": str(path), "kv_cache_bytes": 16 << 20,
-                                      "worker_num_cpus": 0, "client_ttl_s": TTL_S})
-    serve.run(KvmeshIngress.options(num_replicas=2).bind(dataclasses.asdict(settings), TENANTS),
-              name=APP, route_prefix="/")
-    ctl = ray.get_actor(controller_name(APP), namespace=NAMESPACE)
-    state = {"base": f"http://127.0.0.1:{port}", "settings": settings, "ctl": ctl, "ray": ray, "serve": serve}
-    yield state
-    serve.shutdown()
-    if started:
-        ray.shutdown()
+    with local_serve(TENANTS, tmp_path_factory.mktemp("tenants")) as (base, path, serve):
+        settings = AppSettings.from_args({"model": TINY, "tenants": str(path), "kv_cache_bytes": 16 << 20,
+                                          "worker_num_cpus": 0, "client_ttl_s": TTL_S})
+        serve.run(KvmeshIngress.options(num_replicas=2).bind(dataclasses.asdict(settings), TENANTS),
+                  name=APP, route_prefix="/")
+        ctl = ray.get_actor(controller_name(APP), namespace=NAMESPACE)
+        yield {"base": base, "settings": settings, "ctl": ctl, "ray": ray, "serve": serve}
 
 
 def http(cluster):

@@ -4,14 +4,12 @@ Most tests use the tiny random model (byte tokenizer, instant); one test checks 
 the default model against HF transformers' greedy ``generate``.
 """
 
-import os
-import socket
 import time
 
 import httpx
 import openai
 import pytest
-import yaml
+from tests.serving import local_serve
 
 pytestmark = pytest.mark.ray
 
@@ -25,34 +23,14 @@ TENANTS = {"admin_keys": ["sk-admin"], "tenants": [
 ]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    import ray
-    from ray import serve
-
     from cluster.app import build_app
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    tenants = tmp_path_factory.mktemp("tenants") / "tenants.yaml"
-    tenants.write_text(yaml.safe_dump(TENANTS))
-    serve.run(build_app({"model": TINY, "tenants": str(tenants), "kv_cache_bytes": 16 << 20,
-                         "worker_num_cpus": 0}), name="tiny", route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
-    yield {"base": base, "tenants": str(tenants), "serve": serve}
-    serve.shutdown()
-    if started:
-        ray.shutdown()
+    with local_serve(TENANTS, tmp_path_factory.mktemp("tenants")) as (base, tenants, serve):
+        serve.run(build_app({"model": TINY, "tenants": str(tenants), "kv_cache_bytes": 16 << 20,
+                             "worker_num_cpus": 0}), name="tiny", route_prefix="/")
+        yield {"base": base, "tenants": str(tenants), "serve": serve}
 
 
 def client(server, key="sk-acme", prefix=""):

@@ -5,13 +5,12 @@ and a grant revoked by redeploying with a changed tenants file (no restart).
 The tests run in order on one app; the last one redeploys it.
 """
 
-import os
-import socket
 import time
 
 import httpx
 import pytest
 import yaml
+from tests.serving import local_serve
 
 pytestmark = pytest.mark.ray
 
@@ -25,12 +24,6 @@ TENANTS = {"admin_keys": ["sk-admin"], "tenants": [
 PROMPT = "The committee met on Tuesday to review the quarterly budget and the hiring plan. " * 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _args(path) -> dict:
     return {"model": TINY, "tenants": str(path), "kv_cache_bytes": 16 << 20, "worker_num_cpus": 0,
             "metrics_auth": "admin"}
@@ -38,25 +31,14 @@ def _args(path) -> dict:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
-    from ray import serve
 
     from cluster.app import build_app
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     d = tmp_path_factory.mktemp("tenants")
-    path = d / "tenants.yaml"
-    path.write_text(yaml.safe_dump(TENANTS))
-    serve.run(build_app(_args(path)), name=APP, route_prefix="/")
-    yield {"base": f"http://127.0.0.1:{port}", "dir": d, "serve": serve, "ray": ray, "build_app": build_app}
-    serve.shutdown()
-    if started:
-        ray.shutdown()
+    with local_serve(TENANTS, d) as (base, path, serve):
+        serve.run(build_app(_args(path)), name=APP, route_prefix="/")
+        yield {"base": base, "dir": d, "serve": serve, "ray": ray, "build_app": build_app}
 
 
 def http(server):
