@@ -11,6 +11,7 @@ there for why); ingress replicas hold no pool state, so the deployment may run s
 # No `from __future__ import annotations`: FastAPI must see the real Request annotation
 # through Serve's ingress wrapper.
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -200,22 +201,24 @@ class _Ctx:
     async def _outputs(self, p: int):
         yield self.firsts[p]
         if not self.firsts[p].finished:
-            async for _, _, out in self.streams[p]:
+            async for _, _, out in self.streams[p]:  # closed by _close, whoever stops first
                 yield out
 
     async def _merged(self):
         """(prompt index, output) of every stream, as they come (one stream: no task needed)."""
         if len(self.streams) == 1:
-            async for out in self._outputs(0):
-                yield 0, out
+            async with contextlib.aclosing(self._outputs(0)) as outs:
+                async for out in outs:
+                    yield 0, out
             return
         q: asyncio.Queue = asyncio.Queue()
         end = object()
 
         async def pump(p: int):
             try:
-                async for out in self._outputs(p):
-                    await q.put((p, out, None))
+                async with contextlib.aclosing(self._outputs(p)) as outs:
+                    async for out in outs:
+                        await q.put((p, out, None))
             except Exception as e:  # noqa: BLE001 - handed to the consumer
                 await q.put((p, None, e))
             await q.put((p, None, end))
@@ -242,9 +245,10 @@ class _Ctx:
         code = 200
 
         async def drain(p: int):
-            async for out in self._outputs(p):
-                self.lasts[p] = out
-                self.asm.add(p, out)
+            async with contextlib.aclosing(self._outputs(p)) as outs:
+                async for out in outs:
+                    self.lasts[p] = out
+                    self.asm.add(p, out)
 
         try:
             await _all([drain(p) for p in range(len(self.streams))])
@@ -297,6 +301,31 @@ class _Ctx:
 
 async def _first(stream):
     return await stream.__anext__()
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A ``StreamingResponse`` that always closes its body iterator when the response ends.
+
+    Starlette leaves the iterator suspended when the client disconnects while a chunk is being
+    sent (the cancellation lands in ``send``, not in the generator); it is then closed only by the
+    garbage collector, which may be minutes later in a big process, and until then the request's
+    lease and its worker stream stay open. Closing here ends them at once. The close runs in its
+    own task and is awaited shielded, so a second cancellation cannot cut it short."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await asyncio.shield(asyncio.get_running_loop().create_task(_quiet_close(aclose)))
+
+
+async def _quiet_close(aclose) -> None:
+    try:
+        await aclose()
+    except RuntimeError:  # already running: its own finally is under way
+        pass
 
 
 # SamplingParams field -> the HTTP field that asks for it (for "not supported by this engine").
@@ -735,6 +764,6 @@ class KvmeshIngress:
         ctx = _Ctx(self, tenant.name, endpoint, rid, requests, chat, leases, streams, [first for _, _, first in firsts],
                    asm, body.include_usage)
         if body.is_stream:
-            return StreamingResponse(ctx.sse(), media_type="text/event-stream",
+            return ClosingStreamingResponse(ctx.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await ctx.whole()

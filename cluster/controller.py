@@ -30,6 +30,7 @@ one pool flight; ending a lease (``end``, ``detach``, expiry) releases both exac
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -571,13 +572,14 @@ class ControllerClient:
         self._progress[lid] = 0
         t0 = time.monotonic()
         try:
-            async for out in stream_outputs(lease.actor, lease.worker_id, request, lease.choice):
-                if first:
-                    self.handle.started.remote(lid, out.route, time.monotonic() - t0)
-                    first = False
-                self._progress[lid] = out.num_output_tokens
-                finished = out.finished
-                yield lease, lease.choice, out
+            async with contextlib.aclosing(stream_outputs(lease.actor, lease.worker_id, request, lease.choice)) as outs:
+                async for out in outs:
+                    if first:
+                        self.handle.started.remote(lid, out.route, time.monotonic() - t0)
+                        first = False
+                    self._progress[lid] = out.num_output_tokens
+                    finished = out.finished
+                    yield lease, lease.choice, out
         except WorkerDied:
             dead = True
             raise

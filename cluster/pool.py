@@ -37,6 +37,7 @@ there and frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -454,9 +455,10 @@ class WorkerPool:
         dead = False
         t_start = time.monotonic()
         try:
-            async for out in stream_outputs(ws.actor, ws.worker_id, request, choice):
-                self.mark_started(request.request_id, out.route, time.monotonic() - t_start, out.num_output_tokens)
-                yield ws, choice, out
+            async with contextlib.aclosing(stream_outputs(ws.actor, ws.worker_id, request, choice)) as outs:
+                async for out in outs:
+                    self.mark_started(request.request_id, out.route, time.monotonic() - t_start, out.num_output_tokens)
+                    yield ws, choice, out
         except WorkerDied:
             dead = True
             raise
