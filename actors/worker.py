@@ -31,12 +31,15 @@ async def _await(ref):
 
 @dataclass(frozen=True)
 class Pull:
-    """Fetch prompt blocks [start_block, end_block) from ``holder`` (a Worker actor handle)."""
+    """Fetch prompt blocks [start_block, end_block) from ``holder`` (a Worker actor handle).
+    ``timeout_s``: give up (and recompute what did not arrive) after this long; None: the
+    worker's ``pull_timeout_s``, which also caps it."""
 
     holder: object
     holder_node: str
     start_block: int
     end_block: int
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -226,7 +229,7 @@ class Worker:
                         return
 
             try:
-                await asyncio.wait_for(fetch(), self.pull_timeout_s)
+                await asyncio.wait_for(fetch(), min(self.pull_timeout_s, p.timeout_s or self.pull_timeout_s))
             except Exception as e:  # noqa: BLE001 - any failure: recompute the blocks not imported
                 if pending_import:  # an import the timeout interrupted still lands: count it
                     try:

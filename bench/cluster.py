@@ -440,6 +440,7 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
             res["workloads"][wname] = s
             log(f"{name}: {wname} hit/oracle {s['hit']['vs_oracle']}, TTFT p90 {s['ttft_s']['p90']}")
             bar.update(1)
+        res["pull_log"] = pull_log(cl)
         res["workers_view"] = cl.get("/kvmesh/workers", f"sk-{setup.BENCH_TENANT}")[1][:20000]
         res["metrics_text"] = cl.get("/metrics")[1][:20000]
     finally:
@@ -448,6 +449,22 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
         if approx_only:
             bar.update(1)
     return res
+
+
+def pull_log(cl: Cluster, limit: int = 40) -> dict:
+    """The workers' log lines about pulls (failed, skipped, replicated) from every host's Ray
+    logs, with counts: why a planned pull did not land is in them."""
+    lines: list[str] = []
+    for name, host in cl.lab.hosts.items():
+        for f in sorted(Path(host.tmp).glob("ray/session_*/logs/worker-*.err")):
+            try:
+                for line in f.read_text(errors="replace").splitlines():
+                    if "pull of blocks" in line or "replicating a hot prefix" in line:
+                        lines.append(f"{name}: {line[-300:]}")
+            except OSError:
+                continue
+    return {"failed": sum("failed after" in x for x in lines), "skipped": sum("skipped" in x for x in lines),
+            "replicated": sum("replicating" in x for x in lines), "lines": lines[-limit:]}
 
 
 def shared_prefix_rate(cl: Cluster, name: str, args, exe, mdir, tok, k: int, rate: float, log) -> dict:

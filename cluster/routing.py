@@ -36,7 +36,7 @@ from cluster.types import LeastLoadedRouter, RouteChoice, WorkerState
 from engine.sequence import Request
 from policies.placement import PlacementConfig, Placer
 from policies.replication import ReplicationConfig, ReplicationPolicy
-from policies.routing import WorkerLoad
+from policies.routing import WorkerLoad, pull_deadline_s
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +132,14 @@ class CostAwareRouter:
             return RouteChoice(placed.worker, "local" if cached else "recomputed", (), None,
                                cached_tokens=cached, placement=placed.kind)
         pulls = []
+        # the prefill per computed token of this option, to price recomputing the pulled ones
+        computed = max(1, len(request.prompt_ids) - chosen.cached_tokens)
+        deadline = pull_deadline_s(chosen.pull_s, chosen.prefill_s / computed * chosen.pulled_tokens)
         for r in chosen.pulls:
             holder = self.worker_lookup(r.holder)
             if holder is None or holder.dead:
                 continue  # gone since the index saw it: those blocks are recomputed
-            pulls.append(Pull(holder.actor, r.node, r.start_block, r.end_block))
+            pulls.append(Pull(holder.actor, r.node, r.start_block, r.end_block, deadline))
         if pulls:
             self._replicate(request, chains, pulls, chosen.worker, holdings, candidates)
         return RouteChoice(chosen.worker, chosen.kind, tuple(pulls), chosen.expected_ttft_s,

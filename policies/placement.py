@@ -21,7 +21,10 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     holder wins unless another option (a pull to, or a recompute on, a less loaded worker) is
     faster by ``spill_ratio`` and ``spill_abs_s``, its TTFT charged with the warm blocks it would
     evict (each at the prompt's prefill time per block: what recomputing them later costs): a
-    copy takes cache space that other groups need now or when they arrive. A hot group spills to a second worker under load (the cost
+    copy takes cache space that other groups need now or when they arrive. A recompute copy is
+    also charged the prefill it repeats (the blocks the holder would reuse, ``compute_weight``):
+    compute spent twice is compute another request waits for, so under load a busy holder is
+    relieved by a pull (no compute) before a recompute. A hot group spills to a second worker under load (the cost
     model then chooses between pulling and recomputing there); a near tie never moves a group.
     ``PlacementConfig(spill_ratio=0, spill_abs_s=0, evict_weight=0)`` is the plain per-request
     TTFT choice (``TTFT_ONLY``).
@@ -53,6 +56,7 @@ class PlacementConfig:
     spill_ratio: float = 0.5  # leave a holder only for an option this much faster ...
     spill_abs_s: float = 0.05  # ... plus this
     evict_weight: float = 1.0  # a spill's warm evictions, charged at this x their recompute time
+    compute_weight: float = 1.0  # a spill's extra prefill (blocks the holder reuses and it computes), at this x
     tie_ratio: float = 0.05  # TTFTs this close to the best are ties ...
     tie_abs_s: float = 0.005  # ... or this close
     place_slack: float = 1.0  # new prefix: workers within this x the prompt's own prefill of the fastest
@@ -62,7 +66,7 @@ class PlacementConfig:
     key_blocks: int = 4  # leading blocks that key the rendezvous tie-break
 
 
-TTFT_ONLY = PlacementConfig(spill_ratio=0.0, spill_abs_s=0.0, evict_weight=0.0)
+TTFT_ONLY = PlacementConfig(spill_ratio=0.0, spill_abs_s=0.0, evict_weight=0.0, compute_weight=0.0)
 
 
 class ShadowCache:
@@ -137,7 +141,8 @@ class WorkerView:
     ``ttft_s``/``candidate``: its best option from the cost model (None in a fallback without
     estimates: ``ttft_s`` is then a load proxy). ``local_blocks``: prompt blocks it holds or is
     computing. ``eviction``: ``ShadowCache.eviction_cost`` of the blocks it would add. ``load``:
-    in-flight tokens. ``rank``: its rendezvous order for the prompt (0 = first)."""
+    in-flight tokens. ``rank``: its rendezvous order for the prompt (0 = first). ``reused_blocks``:
+    prompt blocks its option does not compute (held or pulled; None: ``local_blocks``)."""
 
     worker: WorkerId
     ttft_s: float
@@ -146,6 +151,11 @@ class WorkerView:
     load: float = 0.0
     rank: int = 0
     candidate: Candidate | None = None
+    reused_blocks: int | None = None
+
+    @property
+    def reused(self) -> int:
+        return self.local_blocks if self.reused_blocks is None else self.reused_blocks
 
 
 @dataclass(frozen=True)
@@ -189,8 +199,13 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
         # a copy on a second worker takes cache space other groups may need (now or when they
         # arrive): only for an option faster by the spill margin, counting the warm blocks it
         # evicts at what recomputing them later costs (the prompt's prefill per block)
-        block_s = c.evict_weight * prompt_prefill_s / max(1, usable_blocks)
-        eff = {v.worker: v.ttft_s + v.eviction[0] * block_s for v in views}
+        # and the prefill it adds: blocks the holder reuses that this option computes again.
+        # Under load that compute is taken from other requests (on shared or busy hardware it
+        # is their delay), so a recompute copy must win by its own prefill too; a pull computes
+        # nothing and pays only its transfer (in its TTFT).
+        block_s = prompt_prefill_s / max(1, usable_blocks)
+        eff = {v.worker: v.ttft_s + c.evict_weight * v.eviction[0] * block_s
+               + c.compute_weight * max(0, best_h.reused - v.reused) * block_s for v in views}
         best_eff = min(eff.values())
         if best_h_s > best_eff * (1 + c.spill_ratio) + c.spill_abs_s:
             limit = best_eff + max(c.tie_abs_s, c.tie_ratio * best_eff)
@@ -251,7 +266,7 @@ class Placer:
         total = -(-(prompt + max_tokens) // block_size)
         proxy = {w: PROXY_TOKEN_S * (loads.get(w, 0.0) + prompt - local[w] * block_size) for w in workers}
         views = self.views(ranking or None, workers, local, total, loads,
-                           leading_key(own, prompt_ids, self.config.key_blocks), now, proxy)
+                           leading_key(own, prompt_ids, self.config.key_blocks), now, proxy, block_size)
         if not views:
             return None
         prefill = full_prefill_s(ranking, prompt) if ranking else PROXY_TOKEN_S * prompt
@@ -278,7 +293,8 @@ class Placer:
 
     def views(self, ranking: Sequence[Candidate] | None, workers: Sequence[WorkerId],
               local_blocks: Mapping[WorkerId, int], new_blocks: int, loads: Mapping[WorkerId, float],
-              key: bytes, now: float, fallback_ttft: Mapping[WorkerId, float] | None = None) -> list[WorkerView]:
+              key: bytes, now: float, fallback_ttft: Mapping[WorkerId, float] | None = None,
+              block_size: int | None = None) -> list[WorkerView]:
         """One ``WorkerView`` per worker from the cost model's ``ranking`` (best candidate per
         worker), or, without one, from ``fallback_ttft``/the loads."""
         order = rendezvous_order(key, workers)
@@ -290,9 +306,10 @@ class Placer:
                 continue  # the cost model does not know this worker (yet)
             have = local_blocks.get(w, 0)
             ttft = cand.expected_ttft_s if cand is not None else (fallback_ttft or {}).get(w, loads.get(w, 0.0))
+            reused = max(have, cand.cached_tokens // block_size) if cand is not None and block_size else None
             out.append(WorkerView(w, ttft, have, self.shadow(w).eviction_cost(max(0, new_blocks - have), now,
                                                                               self.config.warm_s),
-                                  loads.get(w, 0.0), order[w], cand))
+                                  loads.get(w, 0.0), order[w], cand, reused))
         return out
 
     def commit(self, worker: WorkerId, chain: Sequence[bytes], private_blocks: int, now: float) -> None:

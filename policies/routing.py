@@ -473,3 +473,12 @@ def power_of_two(workers: Sequence[WorkerId], load: Mapping[WorkerId, float],
         return workers[0]
     a, b = rng.sample(list(workers), 2)
     return b if load.get(b, 0.0) < load.get(a, 0.0) else a
+
+
+def pull_deadline_s(pull_s: float, recompute_s: float, floor_s: float = 1.0, slack: float = 2.0) -> float:
+    """How long a planned pull may take before the worker gives up and recomputes: ``slack`` x
+    its expected transfer, but at least as long as recomputing those tokens would take (the
+    ski-rental rule: waiting as long as the alternative costs, then switching, never costs more
+    than twice the better choice) and at least ``floor_s`` (a holder busy with a step answers
+    late). A stalled pull then delays its request by about one recompute, not by a fixed timeout."""
+    return max(floor_s, slack * max(0.0, pull_s), max(0.0, recompute_s))

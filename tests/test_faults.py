@@ -103,6 +103,20 @@ def test_pulls_from_a_corrupt_or_slow_holder_stay_exact(tiny_model):
         outs, ref = case(2)
         assert time.monotonic() - t0 >= 0.5
         assert outs[-1].route == "pulled" and outs[-1].pulled_tokens == 64 and ids(outs) == ref
+
+        # a holder slower than the pull's own deadline (set by the router from its estimates):
+        # the target stops waiting at the deadline, not at its 30 s pull timeout, and recomputes
+        ray.get(holder.set_faults.remote(["export_slow:60"]))
+        prefix = tuple((17 * i + 3) % 250 + 3 for i in range(70))
+        ray.get(holder.generate_all.remote(Request("warm3", prefix + (9, 9), GREEDY, tenant="t1")))
+        t0 = time.monotonic()
+        outs = ray.get(target.generate_all.remote(Request("r3", prefix + (5, 6, 7), GREEDY, tenant="t1"),
+                                                  (Pull(holder, "n", 0, 4, timeout_s=1.0),)), timeout=60)
+        assert time.monotonic() - t0 < 25  # gave up at its 1 s deadline, not at the worker's 30 s pull timeout
+        assert outs[-1].route == "recomputed" and outs[-1].pulled_tokens == 0
+        ref = ray.get(target.generate_all.remote(Request("ref3", prefix + (5, 6, 7), GREEDY, tenant="t1",
+                                                         reuse="none")))
+        assert ids(outs) == ids(ref)
         ray.get(holder.set_faults.remote([]))
     finally:
         if started:

@@ -80,17 +80,32 @@ def test_holder_keeps_its_group_near_a_tie_and_spills_when_clearly_slower():
     holder = view("w0", 0.40, local=37, eviction=(0, 0, -2.0))
     other = view("w1", 0.30, eviction=(30, 1, -1.0))
     assert choose([holder, other], 39, 0.6).kind == "match"  # 0.40 < 0.30 x 1.5 + 0.05
-    hot = view("w0", 2.0, local=37)
+    hot = view("w0", 3.0, local=37)
     p = choose([hot, other], 39, 0.6)
     assert p.kind == "spill" and p.worker == "w1"
     # a plain TTFT choice when asked for
     assert choose([holder, other], 39, 0.6, TTFT_ONLY).worker == "w1"
     # the warm blocks a spill evicts count against it: a fast target that would evict a whole
     # group loses to a holder only a little slower than the margin alone allows
-    evicting = view("w1", 0.30, eviction=(39, 1, -1.0))
+    # (pull options, which repeat no prefill, so that only the evictions differ)
+    evicting = WorkerView("w1", 0.30, 0, (39, 1, -1.0), reused_blocks=37)
     slowish = view("w0", 0.60, local=37)
     assert choose([slowish, evicting], 39, 0.6).kind == "match"
-    assert choose([slowish, view("w1", 0.30, eviction=(0, 0, -40.0))], 39, 0.6).kind == "spill"
+    assert choose([slowish, WorkerView("w1", 0.30, 0, (0, 0, -40.0), reused_blocks=37)], 39, 0.6).kind == "spill"
+
+
+def test_a_recompute_copy_is_charged_the_prefill_it_repeats_a_pull_is_not():
+    # the holder waits 1.6 s; elsewhere the prompt takes 0.6 s to recompute (37 of its 39 blocks
+    # again) or 0.6 s to pull: only the pull relieves the holder
+    holder = view("w0", 1.6, local=37)
+    recompute = WorkerView("w1", 0.6, 0, (0, 0, -40.0), reused_blocks=0)
+    pull = WorkerView("w1", 0.6, 0, (0, 0, -40.0), reused_blocks=37)
+    assert choose([holder, recompute], 39, 0.6).kind == "match"  # 1.6 < (0.6 + 0.57) x 1.5 + 0.05
+    assert choose([holder, pull], 39, 0.6).kind == "spill"  # 1.6 > 0.6 x 1.5 + 0.05
+    # without the charge (compute_weight 0) the recompute spills as before
+    assert choose([holder, recompute], 39, 0.6, PlacementConfig(compute_weight=0.0)).kind == "spill"
+    # a holder far enough behind still spills to a recompute
+    assert choose([view("w0", 2.5, local=37), recompute], 39, 0.6).kind == "spill"
 
 
 def test_small_matches_do_not_count_as_holders():

@@ -301,3 +301,12 @@ def test_pending_prefix_counts_as_the_workers_own_and_is_never_pulled_from():
     both = {c.worker: c for c in cm.candidates(640, {"A": 592}, ["A", "B"], pending={"A": 16})}
     assert both["A"].local_tokens == 592
     assert any(c.kind == "pulled" for c in cm.candidates(640, {"A": 592}, ["B"]))
+
+
+def test_a_pull_may_take_twice_its_estimate_or_as_long_as_recomputing_never_less_than_the_floor():
+    from policies.routing import pull_deadline_s
+
+    assert pull_deadline_s(0.2, 0.1) == 1.0  # the floor: a busy holder answers after its step
+    assert pull_deadline_s(2.0, 1.0) == 4.0  # twice the expected transfer
+    assert pull_deadline_s(0.5, 3.0) == 3.0  # as long as recomputing those tokens would take
+    assert pull_deadline_s(-1.0, -1.0, floor_s=0.5) == 0.5
