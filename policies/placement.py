@@ -14,8 +14,9 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
   * **new prefixes go where they evict the least.** A prompt with no significant match (under
     ``min_match_fraction`` of its blocks anywhere) is placed, among the workers whose expected
     TTFT is within ``place_slack`` of the fastest (load-based spill-over), on the one whose
-    cache would evict the fewest warm blocks to take it, then the coldest ones, then the least
-    loaded; a rendezvous hash of the prompt's leading blocks breaks the remaining ties (so ties
+    cache would evict the fewest warm blocks to take it; among those where it fits in free
+    space, the least loaded (then the most free), among those that must evict, the coldest
+    victims (then the least loaded); a rendezvous hash of the prompt's leading blocks breaks the remaining ties (so ties
     spread prompts over workers instead of piling them on the first).
   * **matches stay with their holder unless it is clearly slower.** With holders, the best
     holder wins unless another option (a pull to, or a recompute on, a less loaded worker) is
@@ -176,7 +177,13 @@ def rendezvous_order(key: bytes, workers: Sequence[WorkerId]) -> dict[WorkerId, 
 
 
 def _headroom_key(v: WorkerView) -> tuple:
-    return (v.eviction, v.load, v.rank, v.worker)
+    """Fewest warm evictions, then: among workers where the blocks fit in free space, the least
+    loaded (free space is not worth a queue: nothing is evicted either way), then the most free;
+    among workers that must evict, the coldest victims, then the least loaded."""
+    warm, evicts, rest = v.eviction
+    if not evicts:
+        return (warm, 0, v.load, rest, v.rank, v.worker)
+    return (warm, 1, rest, v.load, v.rank, v.worker)
 
 
 def _within(views: Sequence[WorkerView], best_s: float, ratio: float, abs_s: float) -> list[WorkerView]:

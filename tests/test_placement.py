@@ -62,6 +62,10 @@ def test_no_match_places_on_headroom_not_on_worker_order():
              view("w2", 0.5, eviction=(0, 0, -9.0), rank=2)]
     p = choose(views, usable_blocks=39, prompt_prefill_s=0.5)
     assert p.kind == "place" and p.worker == "w2"  # most free left; w0 would evict a warm group
+    # where it fits anyway, a queue outweighs free space (nothing is evicted either way)
+    busy_roomy = view("w2", 0.9, eviction=(0, 0, -9.0), load=400.0)
+    idle_tight = view("w1", 0.5, eviction=(0, 0, -3.0), load=0.0)
+    assert choose([busy_roomy, idle_tight], 39, 0.5).worker == "w1"
     # equal headroom: rendezvous order, then load (not list order)
     tied = [view("w0", 0.5, rank=1), view("w1", 0.5, rank=0)]
     assert choose(tied, 39, 0.5).worker == "w1"
