@@ -380,6 +380,13 @@ class Worker:
                            slots.slot_entries() if slots is not None and full else None)
 
         async def drain(full: bool):
+            # nothing new (the common case between steps that store or evict blocks): answer
+            # without a hop onto the engine thread, which would wait for the step in progress
+            e = self.engine.engine
+            slots = e.approx.pool if e.approx is not None else None
+            if not full and not e.pool.has_events and not (slots is not None and slots.record_events
+                                                           and slots.has_events):
+                return Drained((), None, (), None)
             return await self.engine.call(lambda e: take(e, full))
 
         async def send(payload: bytes, full: bool) -> dict:

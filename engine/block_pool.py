@@ -241,6 +241,12 @@ class BlockPool:
         events, self._events = self._events, []
         return events
 
+    @property
+    def has_events(self) -> bool:
+        """Whether events wait for ``take_events``. Safe to read from another thread (one list
+        truthiness read): a stale False only delays their publication by one publisher tick."""
+        return bool(self._events)
+
     def check_invariants(self) -> None:
         """Raise AssertionError unless the accounting in the module docstring holds (for tests)."""
         free = set(self._free)

@@ -158,6 +158,12 @@ class SlotPool:
         events, self._events = self._events, []
         return events
 
+    @property
+    def has_events(self) -> bool:
+        """Whether slot events wait for ``take_events`` (safe from another thread, like
+        ``BlockPool.has_events``)."""
+        return bool(self._events)
+
     def slot_entries(self) -> list[SlotEvent]:
         """Every template donor held now, as "added" events (a snapshot for the index)."""
         return [e for d in self for e in [_slot_event("added", d)] if e is not None]
