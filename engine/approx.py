@@ -61,6 +61,7 @@ class ApproxConfig:
     recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
     bytes_per_domain: int = 64 * 1024 * 1024
     max_donors_per_domain: int = 64
+    bytes_per_tenant: int | None = None  # donors of one tenant over all its domains; None: bytes_per_domain
     detect_min_coverage: float = 0.5  # auto-detection: matched share of the new prompt
     detect_max_candidates: int = 32  # most recent donors compared by auto-detection
     suffix_tokens: int = 8  # query suffix always computed when the template does not say
@@ -117,7 +118,8 @@ class ApproxReuse:
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: ApproxConfig = ApproxConfig()):
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.pool = SlotPool(config.bytes_per_domain, config.max_donors_per_domain)
+        self.pool = SlotPool(config.bytes_per_domain, config.max_donors_per_domain,
+                             bytes_per_tenant=config.bytes_per_tenant)
         self.templates: dict[tuple[str, str], str] = {}  # (domain, template id) -> text
         self.stats = {"approx_requests": 0, "donors_stored": 0, "donors_imported": 0, "no_donor": 0, "gate_exact": 0,
                       "shadow_checks": 0, "shadow_disagreements": 0, "shadow_skipped": 0, "shadow_dropped": 0,
