@@ -1,4 +1,5 @@
-"""The approximate-reuse donor pool is bounded per tenant, over all of the tenant's domains.
+"""Approximate-reuse state (donor pool, detected-family maps) is bounded per tenant, over all of
+the tenant's domains.
 
 Every ``cache_salt`` is a share domain of its own; without a per-tenant bound a tenant sending
 many salts could hold ``bytes_per_domain`` per salt on every worker (unbounded memory). No model.
@@ -60,3 +61,21 @@ def test_default_tenant_bound_is_the_domain_bound_and_refresh_keeps_books():
     assert pool.tenant_bytes("acme") == 2 * PER and len(pool) == 2
     assert not pool.put(Donor("acme", "acme", (7,) * 40, kv(40)))  # larger than the bound
     pool.check_invariants()
+
+
+def test_detected_family_maps_bounded_per_tenant():
+    """Auto-detected template families are kept per share domain; salted domains of one tenant
+    share FAMILY_DOMAINS_PER_TENANT maps (least recently used dropped), others are untouched."""
+    from engine.approx import FAMILY_DOMAINS_PER_TENANT, ApproxReuse
+    from engine.sequence import Request
+
+    ax = ApproxReuse(None, None)  # bookkeeping only: no model needed for the family maps
+    other = Request("g", (5, 6, 7), tenant="globex")
+    ax._family(other, d("globex", "globex", 5))  # noqa: SLF001
+    for i in range(200):
+        req = Request(f"r{i}", (1, 2, i), tenant="acme", share_domain=f"acme#salt:{i}")
+        ax._family(req, d("acme", f"acme#salt:{i}", i))  # noqa: SLF001
+    acme = [dom for dom in ax._families if dom.startswith("acme")]  # noqa: SLF001
+    assert len(acme) == FAMILY_DOMAINS_PER_TENANT
+    assert set(acme) == {f"acme#salt:{i}" for i in range(200 - FAMILY_DOMAINS_PER_TENANT, 200)}
+    assert "globex" in ax._families  # noqa: SLF001
