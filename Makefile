@@ -25,8 +25,9 @@ $(STAMP): pyproject.toml
 model: setup
 	$(BIN)/python -m engine.model_loader default
 
+# cluster.serve_cli: Ray's `serve` CLI that also stops on SIGINT when started in the background
 serve: model
-	RAY_ADDRESS=local $(BIN)/serve run cluster/serve.yaml
+	RAY_ADDRESS=local $(BIN)/python -m cluster.serve_cli run cluster/serve.yaml
 
 test: model
 	$(BIN)/python -m pytest -q -x --durations=15

@@ -18,6 +18,15 @@ and proxy; PIDs from Ray, ``psutil`` for RSS and open fds) RSS samples every ``-
 growth after warm-up (the first ``--warmup-frac`` of the run) and a linear slope; open fds at
 warm-up and at the end; objects left in Ray's object store (``memory_summary``).
 
+RSS by kind (``rss_by_kind``, from /proc/<pid>/status): ``anon`` (heap, the KV pool, donors),
+``file`` (the model's weights: mmapped from the safetensors cache, shared between processes
+through the page cache) and ``shmem`` (pages of Ray's object store mapped into the process: KV
+pulled from or exported to peers; bounded by the store's size). Only ``anon`` growing after
+warm-up would be memory the process keeps. Per worker also (``workers``): the KV pool's bytes
+(committed when the engine is built: in RSS from the first sample on, see
+tests/test_kv_commit.py), the approximate-reuse donor pool's bytes over time (bounded per tenant,
+``engine.slot_pool``), and its RSS growth after warm-up less the donor pool's growth.
+
 Run as root:  sudo nice -n 5 .venv/bin/python bench/soak.py [--minutes 10]
 Writes bench/results/soak.json and bench/results/soak_rss.png.
 """
@@ -84,6 +93,9 @@ class Soak:
         self.outs: list = []
         self.rss: dict[str, list[tuple[float, float]]] = {}  # "role:name" -> [(t, MiB)]
         self.fds: dict[str, list[tuple[float, int]]] = {}
+        self.kinds: dict[str, dict[str, list[tuple[float, float]]]] = {}  # key -> anon|file|shmem -> [(t, MiB)]
+        self.donors: dict[str, list[tuple[float, float]]] = {}  # worker id -> [(t, donor pool MiB)]
+        self.handles: dict[str, object] = {}
         self.t0 = time.monotonic()
 
     def body(self, tenant: str) -> tuple[dict, int]:
@@ -126,8 +138,17 @@ class Soak:
                     ps = psutil.Process(p["pid"])
                     self.rss.setdefault(key, []).append((t, ps.memory_info().rss / 2**20))
                     self.fds.setdefault(key, []).append((t, ps.num_fds()))
-                except psutil.Error:
+                    for kind, mib in rss_kinds(p["pid"]).items():
+                        self.kinds.setdefault(key, {}).setdefault(kind, []).append((t, mib))
+                except (psutil.Error, OSError):
                     pass
+        try:
+            self.handles = self.handles or servelab.worker_handles()
+            for wid, h in self.handles.items():
+                st = ray.get(h.stats.remote(), timeout=10)
+                self.donors.setdefault(wid, []).append((t, st.get("approx", {}).get("donor_bytes", 0) / 2**20))
+        except Exception:  # noqa: BLE001 - a worker busy or gone: this sample has no donor figure
+            pass
 
     async def sampler(self, stop_at: float) -> None:
         while time.monotonic() < stop_at:
@@ -139,6 +160,47 @@ class Soak:
         await asyncio.gather(self.sampler(stop_at), *(self.loop(stop_at) for _ in range(self.args.concurrency)))
         await asyncio.to_thread(self.sample)
         await self.client.aclose()
+
+
+def rss_kinds(pid: int) -> dict[str, float]:
+    """RssAnon / RssFile / RssShmem of ``pid`` in MiB (/proc/<pid>/status)."""
+    text = Path(f"/proc/{pid}/status").read_text()
+    out = {}
+    for kind, field in (("anon", "RssAnon"), ("file", "RssFile"), ("shmem", "RssShmem")):
+        m = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
+        if m:
+            out[kind] = int(m.group(1)) / 1024
+    return out
+
+
+def at(series: list[tuple[float, float]], t: float) -> float | None:
+    """The first value at or after ``t`` (the last one if none)."""
+    return next((v for ts, v in series if ts >= t), series[-1][1] if series else None)
+
+
+def worker_report(s: "Soak", warm_t: float, info: dict) -> dict:
+    """Per worker: KV pool bytes, RSS by kind at start / after warm-up / end, donor pool growth."""
+    out = {}
+    for key, kinds in s.kinds.items():
+        if not key.startswith("worker:"):
+            continue
+        wid = key.split(":", 1)[1]
+        i = info.get(wid, {})
+        pool = i.get("num_blocks", 0) * i.get("block_size", 0) * i.get("kv_bytes_per_token", 0) / 2**20
+        d = s.donors.get(wid, [])
+        rss = s.rss.get(key, [])
+        grow = (rss[-1][1] - at(rss, warm_t)) if rss else None
+        dgrow = (d[-1][1] - at(d, warm_t)) if d else None
+        out[wid] = {"kv_pool_mib": round(pool, 1),
+                    "rss_by_kind_start": {k: round(v[0][1], 1) for k, v in kinds.items()},
+                    "rss_by_kind_after_warmup": {k: round(at(v, warm_t), 1) for k, v in kinds.items()},
+                    "rss_by_kind_end": {k: round(v[-1][1], 1) for k, v in kinds.items()},
+                    "donor_pool_mib_after_warmup": round(at(d, warm_t), 1) if d else None,
+                    "donor_pool_mib_end": round(d[-1][1], 1) if d else None,
+                    "rss_growth_after_warmup_mib": round(grow, 1) if grow is not None else None,
+                    "rss_growth_after_warmup_less_donors_mib":
+                        round(grow - dgrow, 1) if grow is not None and dgrow is not None else None}
+    return out
 
 
 def growth(series: list[tuple[float, float]], warm_t: float) -> dict:
@@ -199,6 +261,12 @@ async def amain(args) -> dict:
     await s.run()
     log(f"load done: {len(s.outs)} requests")
     handles = await asyncio.to_thread(servelab.worker_handles)
+    info = {}
+    for wid, h in handles.items():
+        try:
+            info[wid] = await asyncio.wait_for(h.ready.remote(), 10)
+        except Exception:  # noqa: BLE001 - reported as missing
+            pass
     books = await asyncio.to_thread(servelab.drain, handles)
     await asyncio.sleep(2)
     await asyncio.to_thread(s.sample)
@@ -215,6 +283,7 @@ async def amain(args) -> dict:
                                                                 "error:404"))}
     server = {k: v for k, v in kinds.items() if k not in client}
     rss = {k: growth(v, warm_t) for k, v in s.rss.items()}
+    rss_by_kind = {k: {kind: growth(ser, warm_t) for kind, ser in kinds.items()} for k, kinds in s.kinds.items()}
     fds = {k: {"after_warmup": next((n for t, n in v if t >= warm_t), v[0][1]), "end": v[-1][1], "max": max(n for _, n in v)}
            for k, v in s.fds.items()}
     png = RESULTS / "soak_rss.png"
@@ -224,7 +293,9 @@ async def amain(args) -> dict:
             "completion_tokens_hint": args.max_tokens, "errors_client": client, "errors_server": server,
             "server_errors_total": sum(server.values()), "per_tenant": per_tenant,
             "books_after_drain": books, "books_exact": all(b.get("exact") for b in books.values()),
-            "rss": rss, "rss_samples": {k: [(round(t, 1), round(v, 1)) for t, v in ser] for k, ser in s.rss.items()},
+            "rss": rss, "rss_by_kind": rss_by_kind, "workers": worker_report(s, warm_t, info),
+            "donor_samples": {k: [(round(t, 1), round(v, 1)) for t, v in ser] for k, ser in s.donors.items()},
+            "rss_samples": {k: [(round(t, 1), round(v, 1)) for t, v in ser] for k, ser in s.rss.items()},
             "fds": fds, "object_store_after": store, "plot": str(png), "warmup_s": warm_t}
 
 
@@ -279,6 +350,15 @@ def main() -> None:
     for k, g in sorted(out["rss"].items()):
         print(f"  {k[:60]:<60} {g.get('after_warmup_mib')} -> {g.get('end_mib')}  "
               f"{g.get('growth_after_warmup_mib')}  {g.get('slope_mib_per_min')}")
+    print("RSS growth after warm-up by kind (MiB: anon / file / shmem):")
+    for k, kinds in sorted(out["rss_by_kind"].items()):
+        print(f"  {k[:60]:<60} " + " / ".join(f"{kinds.get(x, {}).get('growth_after_warmup_mib')}"
+                                               for x in ("anon", "file", "shmem")))
+    for wid, w in sorted(out["workers"].items()):
+        print(f"  {wid}: KV pool {w['kv_pool_mib']} MiB (committed at start); RSS start {w['rss_by_kind_start']} "
+              f"end {w['rss_by_kind_end']}; donors {w['donor_pool_mib_after_warmup']} -> {w['donor_pool_mib_end']} MiB; "
+              f"growth after warm-up {w['rss_growth_after_warmup_mib']}, less donors "
+              f"{w['rss_growth_after_warmup_less_donors_mib']}")
     print(f"fds: {out['fds']}")
     print(f"object store after: {out['object_store_after'].get('plasma_objects')} objects "
           f"{out['object_store_after'].get('plasma_mib')} MiB")

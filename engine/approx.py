@@ -53,6 +53,9 @@ from policies.remap import (
 
 DEFAULT_POLICY = "hash"
 DEFAULT_RECOMPUTE_RATIO = 0.3
+# detected-family maps kept per tenant (one per share domain; every cache_salt is a domain): the
+# tenant's least recently used domain's map goes first, so salts cannot grow the maps unboundedly
+FAMILY_DOMAINS_PER_TENANT = 16
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class ApproxConfig:
     recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
     bytes_per_domain: int = 64 * 1024 * 1024
     max_donors_per_domain: int = 64
+    bytes_per_tenant: int | None = None  # donors of one tenant over all its domains; None: bytes_per_domain
     detect_min_coverage: float = 0.5  # auto-detection: matched share of the new prompt
     detect_max_candidates: int = 32  # most recent donors compared by auto-detection
     suffix_tokens: int = 8  # query suffix always computed when the template does not say
@@ -117,15 +121,18 @@ class ApproxReuse:
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: ApproxConfig = ApproxConfig()):
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        self.pool = SlotPool(config.bytes_per_domain, config.max_donors_per_domain)
+        self.pool = SlotPool(config.bytes_per_domain, config.max_donors_per_domain,
+                             bytes_per_tenant=config.bytes_per_tenant)
         self.templates: dict[tuple[str, str], str] = {}  # (domain, template id) -> text
         self.stats = {"approx_requests": 0, "donors_stored": 0, "donors_imported": 0, "no_donor": 0, "gate_exact": 0,
                       "shadow_checks": 0, "shadow_disagreements": 0, "shadow_skipped": 0, "shadow_dropped": 0,
                       "shadow_errors": 0}
         self.gate = QualityGate()
         # detected-template families per share domain: sha256 of a prompt's ids -> family key,
-        # each domain's map LRU-bounded on its own (one tenant cannot push out another's)
+        # each domain's map LRU-bounded on its own (one tenant cannot push out another's), and at
+        # most FAMILY_DOMAINS_PER_TENANT maps per tenant (its least recently used domain dropped)
         self._families: dict[str, OrderedDict[bytes, str]] = {}
+        self._family_domains: dict[str, OrderedDict[str, None]] = {}  # tenant -> its domains with a map, LRU
 
     # -- templates ---------------------------------------------------------------------------
     def register_template(self, domain: str, template_id: str, text: str) -> None:
@@ -228,6 +235,11 @@ class ApproxReuse:
         dkey = _ids_digest(donor.token_ids)
         fam = self._families.get(donor.domain, {}).get(dkey) or detected_family_key(donor.token_ids)
         mine = self._families.setdefault(request.domain, OrderedDict())
+        doms = self._family_domains.setdefault(request.tenant, OrderedDict())
+        doms[request.domain] = None
+        doms.move_to_end(request.domain)
+        while len(doms) > FAMILY_DOMAINS_PER_TENANT:
+            self._families.pop(doms.popitem(last=False)[0], None)
         # only the requester's own domain is written: a donor read through a grant keeps the
         # family its owner's map gives it (or its own, by its digest)
         for k in ((dkey,) if donor.domain == request.domain else ()) + (_ids_digest(request.prompt_ids),):

@@ -83,6 +83,9 @@ class PagedKVCache:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        # zeros, not empty: writing the zeros faults every page in now, so the pool's memory is
+        # committed at start-up (RSS flat as blocks fill; short memory fails here, not mid-run).
+        # tests/test_kv_commit.py checks it.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 

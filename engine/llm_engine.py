@@ -689,7 +689,8 @@ class LLMEngine:
                 for t, m in self.tenant_metrics.items()
             },
             "cross_tenant_reads": self.cross_tenant_reads(),
-            **({"approx": {**self.approx.stats, "donors": len(self.approx.pool), "shadow_pending": len(self._shadow_jobs),
+            **({"approx": {**self.approx.stats, "donors": len(self.approx.pool),
+                           "donor_bytes": self.approx.pool.nbytes, "shadow_pending": len(self._shadow_jobs),
                            "gate": self.approx.gate.snapshot()}} if self.approx is not None else {}),
         }
 

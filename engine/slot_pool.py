@@ -9,7 +9,12 @@ segmentation (``policies.remap.Instance``). Invariants:
 * donors live in the group of the storing request's share domain; a lookup reads its own domain
   and the domains its request may read (grants), nothing else;
 * each group is an LRU bounded by ``bytes_per_domain`` (least recently used donor evicted first;
-  a donor larger than the bound is not stored); ``nbytes`` is the sum of the groups' bytes.
+  a donor larger than the bound is not stored); ``nbytes`` is the sum of the groups' bytes;
+* all donors of one tenant (``Donor.tenant``), over all its domains, hold at most
+  ``bytes_per_tenant`` (default: ``bytes_per_domain``), the tenant's least recently used donor
+  evicted first: a tenant cannot multiply its budget with domains of its own (every
+  ``cache_salt`` is one), so the pool's memory is bounded by tenants x ``bytes_per_tenant``;
+  a group left empty is dropped (no state stays behind per domain).
 
 Cluster sharing (``actors.slot_registry``): with ``record_events`` on, storing a donor that
 instantiates a named template queues an "added" ``SlotEvent`` and evicting or replacing one a
@@ -119,11 +124,14 @@ class DonorPayload:
 
 class SlotPool:
     def __init__(self, bytes_per_domain: int = 64 * 1024 * 1024, max_donors_per_domain: int = 64,
-                 record_events: bool = False):
+                 record_events: bool = False, bytes_per_tenant: int | None = None):
         self.bytes_per_domain = bytes_per_domain
+        self.bytes_per_tenant = bytes_per_domain if bytes_per_tenant is None else bytes_per_tenant
         self.max_donors_per_domain = max_donors_per_domain
         self._groups: dict[str, OrderedDict[tuple, Donor]] = {}
         self._bytes: dict[str, int] = {}
+        self._tenant_lru: dict[str, OrderedDict[tuple, None]] = {}  # tenant -> (domain, key), oldest first
+        self._tenant_bytes: dict[str, int] = {}
         self._by_id: dict[str, Donor] = {}
         self.evictions = 0
         self.record_events = record_events  # on while a publisher drains them (else they would pile up)
@@ -131,24 +139,47 @@ class SlotPool:
 
     def put(self, donor: Donor) -> bool:
         """Store (or refresh) ``donor`` in its domain's group; False when it cannot fit at all."""
-        if donor.nbytes > self.bytes_per_domain:
+        if donor.nbytes > min(self.bytes_per_domain, self.bytes_per_tenant):
             return False
         group = self._groups.setdefault(donor.domain, OrderedDict())
         key = (donor.token_ids, donor.template_id)
-        old = group.pop(key, None)
+        old = group.get(key)
         if old is not None:
-            self._bytes[donor.domain] -= old.nbytes
+            self._unlink(old)
             self._forget(old, replaced_by=donor)
+            group = self._groups.setdefault(donor.domain, OrderedDict())
         group[key] = donor
         self._bytes[donor.domain] = self._bytes.get(donor.domain, 0) + donor.nbytes
+        self._tenant_lru.setdefault(donor.tenant, OrderedDict())[(donor.domain, key)] = None
+        self._tenant_bytes[donor.tenant] = self._tenant_bytes.get(donor.tenant, 0) + donor.nbytes
         self._by_id[donor.slot_id] = donor
         self._event("added", donor)
         while self._bytes[donor.domain] > self.bytes_per_domain or len(group) > self.max_donors_per_domain:
-            _, gone = group.popitem(last=False)
-            self._bytes[donor.domain] -= gone.nbytes
-            self._forget(gone)
-            self.evictions += 1
+            self._evict(next(iter(group.values())))
+        lru = self._tenant_lru[donor.tenant]
+        while self._tenant_bytes[donor.tenant] > self.bytes_per_tenant:
+            domain, k = next(iter(lru))
+            self._evict(self._groups[domain][k])
         return True
+
+    def _unlink(self, donor: Donor) -> None:
+        """Take ``donor`` out of its group and its tenant's books (dropping what is left empty)."""
+        key = (donor.token_ids, donor.template_id)
+        group = self._groups[donor.domain]
+        del group[key]
+        self._bytes[donor.domain] -= donor.nbytes
+        if not group:
+            del self._groups[donor.domain], self._bytes[donor.domain]
+        lru = self._tenant_lru[donor.tenant]
+        del lru[(donor.domain, key)]
+        self._tenant_bytes[donor.tenant] -= donor.nbytes
+        if not lru:
+            del self._tenant_lru[donor.tenant], self._tenant_bytes[donor.tenant]
+
+    def _evict(self, donor: Donor) -> None:
+        self._unlink(donor)
+        self._forget(donor)
+        self.evictions += 1
 
     def get(self, slot_id: str) -> Donor | None:
         return self._by_id.get(slot_id)
@@ -191,8 +222,9 @@ class SlotPool:
         """Mark ``donor`` most recently used in its group."""
         group = self._groups.get(donor.domain)
         key = (donor.token_ids, donor.template_id)
-        if group is not None and key in group:
+        if group is not None and group.get(key) is donor:
             group.move_to_end(key)
+            self._tenant_lru[donor.tenant].move_to_end((donor.domain, key))
 
     def __len__(self) -> int:
         return sum(len(g) for g in self._groups.values())
@@ -208,11 +240,23 @@ class SlotPool:
     def domain_bytes(self, domain: str) -> int:
         return self._bytes.get(domain, 0)
 
+    def tenant_bytes(self, tenant: str) -> int:
+        return self._tenant_bytes.get(tenant, 0)
+
     def check_invariants(self) -> None:
         for d, g in self._groups.items():
             assert all(x.domain == d for x in g.values()), "a donor is filed under another domain"
             assert self._bytes.get(d, 0) == sum(x.nbytes for x in g.values()), "byte accounting drifted"
             assert self._bytes.get(d, 0) <= self.bytes_per_domain and len(g) <= self.max_donors_per_domain
+            assert g, "an empty group was kept"
+        assert set(self._bytes) == set(self._groups), "bytes kept for a domain without donors"
+        by_tenant: dict[str, int] = {}
+        for x in self:
+            by_tenant[x.tenant] = by_tenant.get(x.tenant, 0) + x.nbytes
+            assert (x.domain, (x.token_ids, x.template_id)) in self._tenant_lru.get(x.tenant, {}), "tenant LRU drifted"
+        assert by_tenant == self._tenant_bytes, "tenant byte accounting drifted"
+        assert sum(len(o) for o in self._tenant_lru.values()) == len(self), "tenant LRU drifted"
+        assert all(b <= self.bytes_per_tenant for b in by_tenant.values()), "a tenant is over its bound"
         assert set(self._by_id) == {x.slot_id for x in self}, "slot id map drifted"
 
 
