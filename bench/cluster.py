@@ -451,6 +451,43 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
     return res
 
 
+COMPONENTS = (("ray::Worker", "worker"), ("EngineReplica", "worker"), ("KvmeshIngress", "ingress"),
+              ("BaselineIngress", "ingress"), ("ray::ProxyActor", "serve_proxy"), ("ray::Controller", "controller"),
+              ("ray::Router", "router"), ("ray::IndexActor", "index"), ("ray::ServeController", "serve_controller"))
+
+
+def cpu_by_component(cl: Cluster) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by the processes of the bench's hosts, by
+    component (kvmesh/baseline workers, ingress, Serve proxy, controller, router, index; the rest
+    of Ray as ``ray_system``, anything else ``other``). Differences between two snapshots are a
+    stage's CPU per component: the request path's profile, the same way for every configuration."""
+    from bench.sshhosts import leftover_pids
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in leftover_pids(cl.lab):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        cpu = (int(fields[11]) + int(fields[12])) / tick
+        name = next((c for k, c in COMPONENTS if k in cmd), None)
+        if name is None:
+            name = "ray_system" if ("ray" in cmd or "gcs_server" in cmd or "raylet" in cmd) else "other"
+        out[name] = out.get(name, 0.0) + cpu
+    return out
+
+
+def cpu_delta(a: dict[str, float], b: dict[str, float], requests: int) -> dict:
+    """Per component: CPU seconds between snapshots ``a`` and ``b`` (processes that exited meanwhile
+    are not counted), and per completed request."""
+    d = {k: round(b.get(k, 0.0) - a.get(k, 0.0), 2) for k in sorted(set(a) | set(b))}
+    d = {k: v for k, v in d.items() if v > 0}
+    return {"cpu_s": d, "cpu_s_total": round(sum(d.values()), 2),
+            "cpu_s_per_request": {k: round(v / requests, 3) for k, v in d.items()} if requests else {}}
+
+
 def pull_log(cl: Cluster, limit: int = 40) -> dict:
     """The workers' log lines about pulls (failed, skipped, replicated) from every host's Ray
     logs, with counts: why a planned pull did not land is in them."""
@@ -478,7 +515,9 @@ def shared_prefix_rate(cl: Cluster, name: str, args, exe, mdir, tok, k: int, rat
     setup.dump_yaml(cfg, d / "inference-perf.yaml")
     log(f"{name}: shared prefix at {rate:g} req/s for {args.stage_s}s (inference-perf)")
     t0 = time.monotonic()
+    cpu0 = cpu_by_component(cl)
     rc = ipperf.run(exe, d / "inference-perf.yaml", d / "inference-perf.log", timeout_s=args.stage_s * 6 + 300)
+    cpu1 = cpu_by_component(cl)
     (results,), (prompts,) = ipperf.results(d / "reports", 1)
     items = [workloads.WorkItem(tokenize(tok, p) or (0,), 1, 0.0, setup.BENCH_TENANT, setup.BENCH_TENANT)
              for p in prompts]
@@ -486,9 +525,11 @@ def shared_prefix_rate(cl: Cluster, name: str, args, exe, mdir, tok, k: int, rat
     wall = (max((r.sent_s + (r.latency_s or 0) for r in results), default=0.0)) if results else 0.0
     s = summarize(results, args.ttft_slo, wall_s=max(wall, args.stage_s) if results else None)
     s.update(rate=rate, inference_perf_rc=rc, run_s=round(time.monotonic() - t0, 1), hit=hit_ratio(results, oracle),
-             load_avg=load_avg(), errors_sample=[r.error for r in results if r.error][:3])
+             load_avg=load_avg(), errors_sample=[r.error for r in results if r.error][:3],
+             cpu=cpu_delta(cpu0, cpu1, s["ok"]))
     log(f"{name} @ {rate:g}/s: {s['ok']}/{s['requests']} ok, {s['request_throughput'] or 0:.2f} req/s, TTFT p50/p90/p99 "
-        f"{_f(s['ttft_s']['p50'])}/{_f(s['ttft_s']['p90'])}/{_f(s['ttft_s']['p99'])} s, hit/oracle {_f(s['hit']['vs_oracle'])}")
+        f"{_f(s['ttft_s']['p50'])}/{_f(s['ttft_s']['p90'])}/{_f(s['ttft_s']['p99'])} s, hit/oracle {_f(s['hit']['vs_oracle'])}, "
+        f"CPU s/request {s['cpu']['cpu_s_per_request']}")
     return s
 
 
