@@ -7,10 +7,15 @@ Tenants: ``victim`` (priority 2, ``cache.min_blocks`` guaranteed) and ``flooder`
   2. victim alone: ``--victim-requests`` requests (system prompt + a fresh question, 1 output
      token, one every ``--victim-interval-s``), TTFT at the client;
   3. the same victim load while ``--flood-clients`` threads send fresh long prompts as fast as they
-     can, ignoring Retry-After (bounded by ``--flood-requests`` and the phase's duration);
+     can, ignoring Retry-After (bounded by ``--flood-requests`` and the phase's duration). The
+     flooders run in their own process (``--flooder``, started with ``subprocess`` and ended by its
+     PID), so they share neither the GIL of the client that measures the victim's TTFT nor the
+     Ray driver's;
   4. the victim's blocks held after the flood, and whether its system prompt still hits.
 Reports the victim's TTFT p50/p90/p99 alone and under the flood (target: p99 within 1.5x), its
-blocks before/after, the flooder's 200s and 429s (with Retry-After), and the engine's evictions.
+blocks before/after, the flooder's 200s and 429s (with Retry-After), and the engine's evictions;
+load averages and the CPU seconds each process of the app (proxy, ingress replica, controller,
+worker, ...) and the flooder process used in each phase (``psutil``, descendants of this process).
 
   python bench/flood.py          # ~3 min here
 Writes bench/results/flood.json. Loopback only; stops by itself.
@@ -23,7 +28,9 @@ import json
 import os
 import platform
 import random
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -70,16 +77,20 @@ def stream_ttft(client, key: str, prompt: list[int], max_tokens: int, model: str
         return 200, t if t is not None else float("nan"), {}
 
 
-def victim_phase(client, model, system, rng, vocab, n, interval_s, deadline) -> list[float]:
+def victim_phase(client, model, system, rng, vocab, n, interval_s, deadline, sent: list | None = None) -> list[float]:
+    """TTFTs (s) of the victim's sequential requests; ``sent`` gets each one's wall-clock send time."""
     out = []
     for _ in range(n):
         if time.monotonic() > deadline:
             break
         t_next = time.monotonic() + interval_s
         q = [rng.randrange(100, vocab - 100) for _ in range(32)]
+        wall = time.time()
         code, t, _ = stream_ttft(client, "sk-victim", system + q, 1, model)
         if code == 200:
             out.append(t)
+            if sent is not None:
+                sent.append(wall)
         else:
             print(f"  victim got HTTP {code}", flush=True)
         time.sleep(max(0.0, t_next - time.monotonic()))
@@ -104,6 +115,130 @@ def victim_state(client) -> dict:
     return out
 
 
+def flooder_main(args) -> None:
+    """The flooder process: ``--flood-clients`` threads, each sending fresh ``--flood-tokens``-token
+    prompts back to back and ignoring Retry-After, until SIGTERM, ``--flood-deadline-s`` or
+    ``--flood-requests`` attempts; prints its counts as one JSON line on stdout at the end."""
+    import httpx
+
+    if args.flooder_nice:
+        os.nice(args.flooder_nice)  # models clients on another machine: their CPU is not the server's
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    deadline = time.monotonic() + args.flood_deadline_s
+    flood = {"ok": 0, "429": 0, "other": 0, "retry_after": [], "attempts": 0, "hit_attempt_bound": False}
+    lock = threading.Lock()
+
+    def flooder(seed):
+        frng = random.Random(seed)
+        c = httpx.Client(base_url=args.flood_url, timeout=300)
+        while not stop.is_set() and time.monotonic() < deadline:
+            with lock:
+                if flood["attempts"] >= args.flood_requests:
+                    flood["hit_attempt_bound"] = True
+                    return
+                flood["attempts"] += 1
+            p = [frng.randrange(100, args.flood_vocab - 100) for _ in range(args.flood_tokens)]
+            try:
+                code, _, headers = stream_ttft(c, "sk-flooder", p, args.flood_max_tokens, args.flood_model)
+            except httpx.HTTPError:
+                code, headers = -1, {}
+            with lock:
+                if code == 200:
+                    flood["ok"] += 1
+                elif code == 429:
+                    flood["429"] += 1
+                    flood["retry_after"].append(headers.get("retry-after"))
+                else:
+                    flood["other"] += 1
+            if code == 429:
+                time.sleep(0.01)  # hostile: ignores Retry-After (a tiny pause keeps the client loop sane)
+
+    threads = [threading.Thread(target=flooder, args=(args.seed + i,), daemon=True)
+               for i in range(args.flood_clients)]
+    for t in threads:
+        t.start()
+    while not stop.is_set() and time.monotonic() < deadline and any(t.is_alive() for t in threads):
+        stop.wait(0.2)
+    stop.set()
+    for t in threads:
+        t.join(timeout=30)
+    with lock:
+        print(json.dumps(flood), flush=True)
+
+
+def start_flooders(args, base: str, vocab: int, model: str) -> subprocess.Popen:
+    cmd = [sys.executable, __file__, "--flooder", "--flood-url", base, "--flood-vocab", str(vocab),
+           "--flood-model", model, "--flood-deadline-s", str(args.phase_s + 30),
+           "--flood-clients", str(args.flood_clients), "--flood-requests", str(args.flood_requests),
+           "--flood-tokens", str(args.flood_tokens), "--flood-max-tokens", str(args.flood_max_tokens),
+           "--seed", str(args.seed), "--flooder-nice", str(args.flooder_nice)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+
+
+def stop_flooders(proc: subprocess.Popen) -> dict:
+    """SIGTERM the flooder process by its PID, wait (bounded), SIGKILL if it lingers; its counts."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate(timeout=10)
+    line = (out or "").strip().splitlines()
+    return json.loads(line[-1]) if line else {"ok": 0, "429": 0, "other": 0, "retry_after": [], "attempts": 0,
+                                              "hit_attempt_bound": False, "lost": True}
+
+
+def cpu_by_process(extra: dict[str, int] | None = None) -> dict[str, float]:
+    """CPU seconds (user + system) so far of every descendant of this process (the Ray cluster it
+    started: gcs, raylet, Serve proxy and replica, controller, workers) plus ``extra`` {name: pid},
+    keyed by "name[pid]" (the name: the process title up to its first '.', e.g. ``ray::Worker``)."""
+    import psutil
+
+    me = psutil.Process()
+    named = {pid: name for name, pid in (extra or {}).items()}
+    named[me.pid] = "bench"
+    out = {}
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            name = named.get(p.pid)
+            if name is None:
+                cmd = p.cmdline()
+                title = cmd[0].split(" ")[0] if cmd else ""
+                name = title.split(".")[0] if title.startswith("ray::") else p.name()
+            t = p.cpu_times()
+            out[f"{name}[{p.pid}]"] = t.user + t.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    out["machine_busy"] = machine_busy_s()
+    return out
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine spent busy so far (all cores, /proc/stat; 0.0 elsewhere)."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    idle = f[3] + (f[4] if len(f) > 4 else 0)
+    return (sum(f[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_delta(a: dict[str, float], b: dict[str, float], seconds: float) -> dict[str, dict]:
+    """Per process: CPU seconds between snapshots ``a`` and ``b`` and the share of one core."""
+    out = {}
+    for k, v in b.items():
+        d = v - a.get(k, 0.0)
+        if d >= 0.05 or k == "machine_busy":
+            out[k] = {"cpu_s": round(d, 2), "cores": round(d / seconds, 3)}
+    ours = sum(v["cpu_s"] for k, v in out.items() if k != "machine_busy")
+    if "machine_busy" in out:  # what processes outside this benchmark used meanwhile
+        other = out["machine_busy"]["cpu_s"] - ours
+        out["outside_this_benchmark"] = {"cpu_s": round(other, 2), "cores": round(other / seconds, 3)}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["cpu_s"]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
@@ -120,9 +255,21 @@ def main() -> None:
     ap.add_argument("--flood-burst", type=int, default=4)
     ap.add_argument("--flood-concurrency", type=int, default=2)
     ap.add_argument("--phase-s", type=float, default=60.0, help="bound on each victim phase")
+    ap.add_argument("--flooder-nice", type=int, default=0,
+                    help="niceness added to the flooder process (0: it competes with the server for the CPU as "
+                         "on one machine; 10: roughly a client elsewhere)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench/results/flood.json"))
+    # the flooder process's own arguments (set by start_flooders)
+    ap.add_argument("--flooder", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--flood-url", help=argparse.SUPPRESS)
+    ap.add_argument("--flood-vocab", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--flood-model", help=argparse.SUPPRESS)
+    ap.add_argument("--flood-deadline-s", type=float, default=120.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.flooder:
+        flooder_main(args)
+        return
 
     import httpx
     import ray
@@ -148,53 +295,36 @@ def main() -> None:
         tok = load_tokenizer(args.model)[1]
         vocab = int(getattr(tok, "vocab_size", 0) or len(tok))
         system = [rng.randrange(100, vocab - 100) for _ in range(args.system_tokens)]
+        # the cost scale of the flood: one flood-sized prompt alone (prefill of flood_tokens); first,
+        # so that these fresh prompts do not push the victim's own system prompt out of its cache
+        flood_alone = [stream_ttft(client, "sk-victim", [rng.randrange(100, vocab - 100)
+                                                         for _ in range(args.flood_tokens)], 1, model)[1]
+                       for _ in range(5)]
         for _ in range(3):  # warm-up + the system prompt cached
             stream_ttft(client, "sk-victim", system + [rng.randrange(100, vocab - 100) for _ in range(32)], 1, model)
         before = victim_state(client)
         print(f"victim holds {before['blocks_held']} of {before['num_blocks']} blocks; alone phase", flush=True)
+        load = {"alone_start": os.getloadavg()}
+        cpu0, t0 = cpu_by_process(), time.monotonic()
+        sent_alone, sent_flood = [], []
         alone = victim_phase(client, model, system, rng, vocab, args.victim_requests, args.victim_interval_s,
-                             time.monotonic() + args.phase_s)
+                             time.monotonic() + args.phase_s, sent_alone)
+        cpu = {"alone": cpu_delta(cpu0, cpu_by_process(), time.monotonic() - t0)}
+        load["alone_end"] = os.getloadavg()
 
-        # the cost scale of the flood: one flood-sized prompt alone (prefill of flood_tokens)
-        flood_alone = [stream_ttft(client, "sk-victim", [rng.randrange(100, vocab - 100)
-                                                         for _ in range(args.flood_tokens)], 1, model)[1]
-                       for _ in range(5)]
-        stop = threading.Event()
-        flood = {"ok": 0, "429": 0, "other": 0, "retry_after": [], "attempts": 0}
-        lock = threading.Lock()
-
-        def flooder(seed):
-            frng = random.Random(seed)
-            c = httpx.Client(base_url=base, timeout=300)
-            while not stop.is_set():
-                with lock:
-                    if flood["attempts"] >= args.flood_requests:
-                        return
-                    flood["attempts"] += 1
-                p = [frng.randrange(100, vocab - 100) for _ in range(args.flood_tokens)]
-                code, _, headers = stream_ttft(c, "sk-flooder", p, args.flood_max_tokens, model)
-                with lock:
-                    if code == 200:
-                        flood["ok"] += 1
-                    elif code == 429:
-                        flood["429"] += 1
-                        flood["retry_after"].append(headers.get("retry-after"))
-                    else:
-                        flood["other"] += 1
-                if code == 429:
-                    time.sleep(0.01)  # hostile: ignores Retry-After (a tiny pause keeps the client loop sane)
-
-        threads = [threading.Thread(target=flooder, args=(args.seed + i,), daemon=True)
-                   for i in range(args.flood_clients)]
-        for t in threads:
-            t.start()
-        time.sleep(2.0)  # the flood is established
-        print("under the flood", flush=True)
-        flooded = victim_phase(client, model, system, rng, vocab, args.victim_requests, args.victim_interval_s,
-                               time.monotonic() + args.phase_s)
-        stop.set()
-        for t in threads:
-            t.join(timeout=120)
+        proc = start_flooders(args, base, vocab, model)
+        try:
+            time.sleep(2.0)  # the flood is established
+            print(f"under the flood (flooder process pid {proc.pid})", flush=True)
+            load["flood_start"] = os.getloadavg()
+            cpu1, t1 = cpu_by_process({"flooder": proc.pid}), time.monotonic()
+            flooded = victim_phase(client, model, system, rng, vocab, args.victim_requests, args.victim_interval_s,
+                                   time.monotonic() + args.phase_s, sent_flood)
+            cpu2, t2 = cpu_by_process({"flooder": proc.pid}), time.monotonic()
+            load["flood_end"] = os.getloadavg()
+        finally:
+            flood = stop_flooders(proc)
+        cpu["flood"] = cpu_delta(cpu1, cpu2, t2 - t1)
         after = victim_state(client)
         code, _, _ = stream_ttft(client, "sk-victim", system + [5] * 32, 1, model)
         r = client.post("/v1/completions", headers={"Authorization": "Bearer sk-victim"},
@@ -215,7 +345,12 @@ def main() -> None:
         "victim_blocks": {"before": before["blocks_held"], "after": after["blocks_held"],
                           "min_blocks": args.victim_min_blocks, "evictions": after["evictions"]},
         "victim_system_prompt_cached_tokens_after": system_hit,
+        "victim_samples": {"alone": [[round(a, 3), round(1e3 * b, 1)] for a, b in zip(sent_alone, alone)],
+                           "flood": [[round(a, 3), round(1e3 * b, 1)] for a, b in zip(sent_flood, flooded)],
+                           "columns": ["sent_unix_s", "ttft_ms"]},
+        "load_average_1_5_15": load, "cpu_by_process": cpu,
         "flooder": {"attempts": flood["attempts"], "ok": flood["ok"], "rejected_429": flood["429"],
+                    "hit_attempt_bound": flood.get("hit_attempt_bound"), "separate_process": True,
                     "other_errors": flood["other"], "all_429_had_retry_after": len(retry) == flood["429"],
                     "retry_after_s_min": min(retry) if retry else None,
                     "blocks_held_after": after["flooder_blocks_held"], "evictions": after["flooder_evictions"]},
@@ -236,6 +371,10 @@ def main() -> None:
           f" evictions {after['evictions']}); system prompt cached after: {system_hit} tokens")
     print(f"flooder: {flood['attempts']} attempts, {flood['ok']} served, {flood['429']} x 429 "
           f"(Retry-After on all: {len(retry) == flood['429']}), {flood['other']} other errors")
+    print(f"load average (1/5/15 min): {load}")
+    for phase, procs in cpu.items():
+        top = ", ".join(f"{k} {v['cores']:.2f}" for k, v in list(procs.items())[:8])
+        print(f"CPU cores used, {phase}: {top}")
     print(f"wrote {args.out}")
 
 

@@ -598,6 +598,24 @@ class KvmeshIngress:
                            code="invalid_api_key")
         return tenant
 
+    def _rejected(self, tenant: str, reason: str, retry_after_s: float) -> ApiError:
+        """The 429 of a request refused by ``tenant``'s ``reason`` ("rate" | "concurrency") limit (counted)."""
+        self.metrics.rejected.labels(tenant=tenant, reason=reason).inc()
+        return ApiError(429, f"tenant {tenant!r} is over its {reason} limit; retry later", type_="requests",
+                        code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(retry_after_s)))})
+
+    def _pre_admit(self, tenant: str) -> None:
+        """Refuse at once (429) a request the controller would refuse too, judged from this
+        replica's own leases and the controller's past answers (``ControllerClient.pre_admit``,
+        ``policies.pre_admission``): nothing of it is read, parsed or sent anywhere. A pool
+        without ``pre_admit`` (``cluster.baselines``) leaves every decision to its admission."""
+        check = getattr(self.pool, "pre_admit", None)
+        if check is None:
+            return
+        d = check(tenant)
+        if not d.ok:
+            raise self._rejected(tenant, d.reason, d.retry_after_s)
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, "default"):
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
@@ -734,6 +752,7 @@ class KvmeshIngress:
         try:
             tenant = self._auth(req)
             tenant_name = tenant.name
+            self._pre_admit(tenant.name)  # before the body is read: a flood's refusals cost ~nothing
             body = parse_body(await read_body(req, self.limits.max_body_bytes), ChatRequest if chat else CompletionRequest)
             rid, requests, asm = await self._build(tenant, body, chat)
         except Exception as e:  # noqa: BLE001 - counted, and always an OpenAI error body
@@ -749,10 +768,7 @@ class KvmeshIngress:
             for s in streams:
                 await s.aclose()
             if isinstance(e, Rejected):
-                self.metrics.rejected.labels(tenant=tenant.name, reason=e.reason).inc()
-                e = ApiError(429, f"tenant {tenant.name!r} is over its {e.reason} limit; retry later",
-                             type_="requests", code="rate_limit_exceeded",
-                             headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))})
+                e = self._rejected(tenant.name, e.reason, e.retry_after_s)
             if not isinstance(e, Exception):  # cancelled: the client went away before the first token
                 self.metrics.requests.labels(tenant=tenant.name, endpoint=endpoint, code="499").inc()
                 raise

@@ -47,7 +47,8 @@ from cluster.pool import (PoolConfig, RouteChoice, WorkerDied, WorkerPool, Worke
 from engine.sequence import InvalidRequest, Request, RequestOutput
 from policies.autoscale import check_shares
 from policies.introspection import admin_view, tenant_view
-from policies.tenancy import Admission, Tenants, domain_tenant
+from policies.pre_admission import LocalAdmission
+from policies.tenancy import Admission, AdmitDecision, Tenants, domain_tenant
 
 log = logging.getLogger(__name__)
 NAMESPACE = "kvmesh"
@@ -434,7 +435,12 @@ def _cause(e: BaseException) -> BaseException:
 
 class ControllerClient:
     """An ingress replica's side of the controller: leases a worker per request and streams from
-    it directly. ``connect()`` inside the replica's event loop; ``close()`` when it stops."""
+    it directly. ``connect()`` inside the replica's event loop; ``close()`` when it stops.
+
+    ``pre_admit(tenant)`` answers from this replica's own leases and the controller's past answers
+    (``policies.pre_admission.LocalAdmission``): a refusal there is one the controller would give
+    too, so the ingress can refuse before reading the request's body; every lease ``generate``
+    takes is recorded there (admitted, refused, ended)."""
 
     def __init__(self, app: str, config: PoolConfig, tenants_data: dict, client_ttl_s: float = 30.0,
                  call_timeout_s: float = 10.0):
@@ -450,6 +456,7 @@ class ControllerClient:
         self._lock = asyncio.Lock()
         self.tenants_version = 0  # of the controller's tenants data this client holds (0: its own)
         self.on_tenants = None  # callback(tenants_data) when the controller's tenants changed
+        self.local = LocalAdmission(Tenants.from_dict(tenants_data))
 
     async def connect(self, timeout_s: float = 120.0) -> None:
         """Attach to the app's controller, creating it if missing (retries while an old one stops)."""
@@ -468,6 +475,8 @@ class ControllerClient:
                     if not retry or time.monotonic() > deadline:
                         raise cause from None
                     await asyncio.sleep(0.5)
+            if self.handle is not None:  # a new controller: it counts none of our old leases
+                self.local.reset()
             self.handle = handle
             if isinstance(reply, dict):
                 self._heartbeat_s = reply["heartbeat_s"]
@@ -518,6 +527,10 @@ class ControllerClient:
         self.tenants_version = state["version"]
         if state["data"] != self.tenants_data:
             self.tenants_data = state["data"]
+            try:
+                self.local.update(Tenants.from_dict(state["data"]))
+            except Exception:  # noqa: BLE001 - invalid data: the ingress logs it (on_tenants); keep the old limits
+                pass
             if self.on_tenants is not None:
                 self.on_tenants(state["data"])
 
@@ -563,11 +576,21 @@ class ControllerClient:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def pre_admit(self, tenant: str) -> AdmitDecision:
+        """Would the controller refuse a request of ``tenant`` now? (``LocalAdmission.check``.)"""
+        return self.local.check(tenant, time.monotonic())
+
     async def generate(self, request: Request, ready_timeout_s: float = 60.0
                        ) -> AsyncIterator[tuple[Lease, RouteChoice, RequestOutput]]:
         """Like ``WorkerPool.generate``: stream a request's outputs from the leased worker. Closing
         the iterator early cancels the request on the worker (its blocks are freed)."""
-        lease = await self._begin(request, ready_timeout_s)
+        ticket = self.local.sent(request.tenant, time.monotonic())
+        try:
+            lease = await self._begin(request, ready_timeout_s)
+        except Rejected as e:
+            self.local.refused(ticket, e.reason, e.retry_after_s, time.monotonic())
+            raise
+        self.local.admitted(ticket, time.monotonic())
         lid, finished, dead, first = lease.lease_id, False, False, True
         self._progress[lid] = 0
         t0 = time.monotonic()
@@ -584,6 +607,7 @@ class ControllerClient:
             dead = True
             raise
         finally:
+            self.local.released(ticket)  # before end(): this replica never counts more than the controller
             self._progress.pop(lid, None)
             try:
                 self.handle.end.remote(lid, finished, dead)

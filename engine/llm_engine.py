@@ -53,6 +53,8 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None
     tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
+    low_priority_prefill_tokens: int = 32  # prefill chunk cap of a tenant below a contending priority
+    priority_hold_s: float = 2.0  # a priority class contends this long after its last prefill work
     approx: ApproxConfig | None = ApproxConfig()  # None: "approximate" requests run exactly (CPU only)
 
     def __post_init__(self):
@@ -91,7 +93,10 @@ class LLMEngine:
                                   mcfg.num_key_value_heads, head_dim, dtype, config.device)
         self.pool = BlockPool(num_blocks, config.block_size, TenantEvictionPolicy(config.tenant_quotas))
         self.kv = KVManager(self.pool, self.loaded.model_id, config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
+        self.scheduler = Scheduler(SchedulerConfig(
+            config.max_num_seqs, config.max_num_batched_tokens,
+            low_priority_prefill_tokens=config.low_priority_prefill_tokens,
+            priority_hold_s=config.priority_hold_s), self.kv)
         self.runner = ModelRunner(self.loaded.model, self.cache, config.attention)
         self.eos_ids = self._eos_ids()
         self.seqs: dict[str, Sequence] = {}

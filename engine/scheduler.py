@@ -14,6 +14,18 @@ Fairness (no head-of-line blocking by one long prompt):
     are admitted, but at most ``max_bypass`` times: after that nothing behind it is admitted
     until it is (it cannot starve: ``LLMEngine.validate`` refused every request that could not
     fit this tenant's share of the pool even when idle, so it fits once running ones finish).
+
+Priority (tenant ``priority`` from ``policies.eviction.TenantQuota``; see
+``policies.prefill_priority``): while a higher priority class contends (has waiting or prefilling
+work now or within ``priority_hold_s``), the lower classes' prefill, running or newly admitted,
+gets at most ``low_priority_prefill_tokens`` tokens per step **all together** (FIFO among them),
+so a step carrying lower-priority prefill stays short: on a CPU a step's time grows with its
+tokens and a step is not preemptible, so a higher-priority request arriving during one waits it
+out. Budget goes to decodes first, then to prefills in priority order, then to admissions in
+priority order (FIFO within a class). ``min(pending, low_priority_prefill_tokens)`` of the budget
+stays reserved for the lower classes' prefill ahead of higher-priority prefills, so they progress
+every step (no starvation); what running lower-priority prefills leave of it goes to the first
+lower-priority admission. With one priority class live nothing changes.
 """
 
 from __future__ import annotations
@@ -21,8 +33,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import time
+from typing import Callable
+
 from engine.kv_manager import KVManager
 from engine.sequence import Sequence, SequenceStatus
+from policies.prefill_priority import PriorityContention, throttled
 
 
 @dataclass(frozen=True)
@@ -31,15 +47,25 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     long_prefill_tokens: int | None = None  # chunk cap while others wait; None: half the budget
     max_bypass: int = 16  # admissions that may pass a waiting request that does not fit yet
+    low_priority_prefill_tokens: int = 32  # chunk cap of a lower-priority prefill under contention
+    priority_hold_s: float = 2.0  # a class contends this long after its last waiting/prefilling work
+
+    def __post_init__(self):
+        if self.low_priority_prefill_tokens < 1:
+            raise ValueError("low_priority_prefill_tokens must be >= 1")
+        if self.priority_hold_s < 0:
+            raise ValueError("priority_hold_s must be >= 0")
 
     def prefill_cap(self) -> int:
         return self.long_prefill_tokens or max(1, self.max_num_batched_tokens // 2)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVManager):
+    def __init__(self, config: SchedulerConfig, kv: KVManager, clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.kv = kv
+        self.clock = clock
+        self.contention = PriorityContention(config.priority_hold_s)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -61,33 +87,81 @@ class Scheduler:
         self._bypassed.pop(seq, None)
         self.kv.release(seq)
 
+    def priority(self, seq: Sequence) -> int:
+        return self.kv.pool.eviction.quota(seq.request.tenant).priority
+
     def schedule(self) -> list[tuple[Sequence, int]]:
-        budget = self.config.max_num_batched_tokens
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
         out: list[tuple[Sequence, int]] = []
         scheduled: set[int] = set()
-        cap = self.config.prefill_cap() if self.waiting else budget
+        cap = cfg.prefill_cap() if self.waiting else budget
+        low = cfg.low_priority_prefill_tokens
+        self.contention.hold_s = cfg.priority_hold_s
+        prio = {id(s): self.priority(s) for s in (*self.running, *self.waiting)}
+        prefills = [s for s in self.running if s.num_pending > 1]
+        top = self.contention.observe(self.clock(), [prio[id(s)] for s in (*prefills, *self.waiting)])
+
+        # plan: decodes first, then prefills by priority; lower-priority ones are capped, and their
+        # capped chunks are reserved so that higher-priority prefills cannot take the whole budget
+        plan: dict[int, int] = {}
+        for seq in self.running:
+            if seq.num_pending <= 1 and budget > 0:
+                plan[id(seq)] = n = min(seq.num_pending, 1)
+                budget -= n
+        # the lower classes' prefill tokens of this step, all together; reserved ahead of higher prefills
+        low_left = low if top is not None else 0
+        low_pending = sum(s.num_pending for s in prefills if throttled(prio[id(s)], top))
+        reserved = min(low_left, low_pending)
+        for seq in sorted(prefills, key=lambda s: -prio[id(s)]):
+            if budget <= 0:
+                break
+            if throttled(prio[id(seq)], top):
+                n = min(seq.num_pending, budget, low_left, max(1, cap))
+                if n <= 0:
+                    continue  # the lower classes' share of this step is spent
+                low_left -= n
+                reserved = max(0, reserved - n)
+            else:
+                n = min(seq.num_pending, max(1, budget - reserved), max(1, cap))
+            plan[id(seq)] = n
+            budget -= n
+        # reserve blocks in arrival order (preemption takes the most recently admitted)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running):
             seq = self.running[i]
-            n = min(seq.num_pending, budget, max(1, cap) if seq.num_pending > 1 else 1)
-            if not self._reserve(seq, n, scheduled):
+            n = plan.get(id(seq))
+            if n is None:
+                i += 1
+                continue
+            if not self._reserve(seq, n, scheduled, plan):
                 continue  # seq itself was preempted; running[i] is now the next one
             out.append((seq, n))
             scheduled.add(id(seq))
-            budget -= n
             i += 1
+        budget = cfg.max_num_batched_tokens - sum(n for _, n in out)  # preempted plans returned
+
         passed: list[Sequence] = []  # waiting sequences that did not fit this step
-        for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+        # what running lower-priority prefills left of their share goes to lower-priority admissions
+        reserve = low_left if any(throttled(prio[id(s)], top) for s in self.waiting) else 0
+        for seq in sorted(self.waiting, key=lambda s: -prio[id(s)]):
+            if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
                 break
+            low_prio = throttled(prio[id(seq)], top)
+            if low_prio and low_left <= 0:
+                continue  # the lower classes' share of this step is spent: not a bypass
             hit = self.kv.find_prefix(seq)
             n = min(len(seq.tokens) - len(hit) * self.kv.block_size, budget)
+            if low_prio:
+                n = min(n, low_left)
+            else:
+                n = min(n, max(1, budget - reserve))
             if self.kv.blocks_needed(seq, len(hit) * self.kv.block_size + n, hit) > self.kv.pool.num_free_blocks():
-                if self._bypassed.get(seq, 0) >= self.config.max_bypass:
+                if self._bypassed.get(seq, 0) >= cfg.max_bypass:
                     break  # passed over often enough: it goes next, nothing behind it goes first
                 passed.append(seq)
                 continue
-            if any(self._bypassed.get(p, 0) >= self.config.max_bypass for p in passed):
+            if any(self._bypassed.get(p, 0) >= cfg.max_bypass for p in passed):
                 break  # one passed over often enough goes next
             self.waiting.remove(seq)
             self._bypassed.pop(seq, None)
@@ -101,16 +175,20 @@ class Scheduler:
             out.append((seq, n))
             scheduled.add(id(seq))
             budget -= n
+            if low_prio:
+                low_left -= n
         return out
 
-    def _reserve(self, seq: Sequence, n: int, scheduled: set[int]) -> bool:
-        """Grow ``seq``'s blocks for ``n`` more tokens, preempting later sequences if needed."""
+    def _reserve(self, seq: Sequence, n: int, scheduled: set[int], plan: dict[int, int]) -> bool:
+        """Grow ``seq``'s blocks for ``n`` more tokens, preempting later sequences if needed
+        (a preempted sequence's planned tokens leave ``plan``; the caller returns them to the budget)."""
         target = seq.num_computed + n
         while self.kv.blocks_needed(seq, target) > self.kv.pool.num_free_blocks():
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
                 return False
+            plan.pop(id(victim), None)
             assert id(victim) not in scheduled, "preempted a sequence already in this batch"
         self.kv.grow(seq, target)
         return True

@@ -2,13 +2,16 @@
 
 ``LocalPool`` plays ``cluster.controller.ControllerClient``: admission and templates come from a
 real ``Controller`` object (its pool is never started), generation from one in-process
-``AsyncEngine`` on tiny-llama. ``make_ingress`` builds a ``KvmeshIngress`` replica through its
-own ``_setup`` and points Serve's per-request replica lookup at it, so ``httpx.ASGITransport``
-requests run every route exactly as Serve would, in milliseconds.
+``AsyncEngine`` on tiny-llama; the replica's pre-admission is a real ``LocalAdmission`` fed the
+way ``ControllerClient.generate`` feeds it (``begun`` counts the requests the controller saw).
+``make_ingress`` builds a ``KvmeshIngress`` replica through its own ``_setup`` and points
+Serve's per-request replica lookup at it, so ``httpx.ASGITransport`` requests run every route
+exactly as Serve would, in milliseconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from types import SimpleNamespace
 
@@ -17,6 +20,7 @@ from cluster.pool import RouteChoice
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import EngineConfig
 from engine.sequence import InvalidRequest
+from policies.pre_admission import LocalAdmission
 
 TINY = "tiny-llama"
 TENANTS = {"tenants": [
@@ -31,6 +35,11 @@ class LocalPool:
 
     def __init__(self, engine: AsyncEngine, controller: Controller):
         self.engine, self.controller = engine, controller
+        self.local = LocalAdmission(controller.tenants)
+        self.begun = 0  # admission requests the controller saw (admitted or refused)
+
+    def pre_admit(self, tenant: str):
+        return self.local.check(tenant, 0.0)  # the controller's admission runs at time 0.0 here too
 
     async def call(self, method: str, *args, timeout_s: float | None = None):
         if method == "health":
@@ -51,15 +60,21 @@ class LocalPool:
     async def generate(self, request, ready_timeout_s: float = 60.0):
         if request.tenant not in self.controller.tenants.names():
             raise InvalidRequest(f"unknown tenant {request.tenant!r}")
+        ticket = self.local.sent(request.tenant, 0.0)
+        self.begun += 1
         d = self.controller.admission.admit(request.tenant, 0.0)
         if not d.ok:
+            self.local.refused(ticket, d.reason, d.retry_after_s, 0.0)
             raise Rejected(d.reason, d.retry_after_s)
+        self.local.admitted(ticket, 0.0)
         lease = SimpleNamespace(worker_id="local", lease_id=request.request_id)
         try:
-            async for out in self.engine.generate(request):
-                yield lease, RouteChoice("local"), dataclasses.replace(
-                    out, route="local" if out.num_cached_tokens else "recomputed")
+            async with contextlib.aclosing(self.engine.generate(request)) as outs:
+                async for out in outs:
+                    yield lease, RouteChoice("local"), dataclasses.replace(
+                        out, route="local" if out.num_cached_tokens else "recomputed")
         finally:
+            self.local.released(ticket)
             self.controller.admission.release(request.tenant)
 
     async def close(self):

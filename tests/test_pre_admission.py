@@ -1,0 +1,342 @@
+"""A replica's pre-admission (policies/pre_admission.py) refuses only what the controller would.
+
+Three levels: the pure ``LocalAdmission`` against the real ``Admission`` (exact cases and a
+hypothesis simulation of replicas, latencies and lease lifetimes: every local refusal is one the
+controller would give at that instant); ``ControllerClient`` feeding it around each lease (fake
+controller and worker handles, no Ray); and the HTTP ingress (tests/ingress_harness.py): an
+over-limit request is refused before its body is read (an invalid body gets 429, not 400) and the
+controller never sees it, and the counts return to zero however a request ends.
+"""
+
+import asyncio
+import copy
+import heapq
+import json
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from policies.pre_admission import LocalAdmission
+from policies.tenancy import Admission, Tenants
+
+
+def tenants(**limits) -> Tenants:
+    return Tenants.from_dict({"tenants": [{"name": "t", "api_keys": ["sk-t"], "limits": limits},
+                                          {"name": "free", "api_keys": ["sk-free"]}]})
+
+
+# -- LocalAdmission alone ------------------------------------------------------------------------
+def test_concurrency_held_leases_refuse_and_release():
+    local = LocalAdmission(tenants(max_concurrent=2))
+    a, b = local.sent("t", 0.0), local.sent("t", 0.0)
+    assert local.check("t", 0.0).ok  # sent, not admitted: holds nothing yet
+    local.admitted(a, 0.1)
+    local.admitted(b, 0.1)
+    d = local.check("t", 0.2)
+    assert not d.ok and d.reason == "concurrency" and d.retry_after_s > 0
+    assert local.check("free", 0.2).ok  # another tenant is not affected
+    local.released(a)
+    local.released(a)  # idempotent
+    assert local.check("t", 0.3).ok and local.held["t"] == 1
+    refused = local.sent("t", 0.3)
+    local.refused(refused, "concurrency", 1.0, 0.4)
+    local.released(refused)  # a refused request holds nothing
+    local.released(b)
+    assert local.held["t"] == 0 and local.refused_here == 1
+
+
+def test_rate_refusal_is_remembered_until_a_token_can_exist():
+    local = LocalAdmission(tenants(requests_per_s=2.0, burst=1))
+    assert local.check("t", 10.0).ok  # no answer yet: the full bucket
+    tk = local.sent("t", 10.0)
+    local.refused(tk, "rate", 0.4, 10.05)  # the controller: one token in 0.4 s from when it looked
+    d = local.check("t", 10.1)
+    assert not d.ok and d.reason == "rate" and d.retry_after_s <= 0.3 + 1e-9
+    assert local.check("t", 10.4 + 1e-6).ok  # ts + w: the controller may have a token by then
+
+
+def test_admission_takes_a_token_from_the_bound():
+    local = LocalAdmission(tenants(requests_per_s=1.0, burst=2))
+    a = local.sent("t", 0.0)
+    local.admitted(a, 0.0)
+    assert local.check("t", 0.0).ok  # one token left at most
+    b = local.sent("t", 0.0)
+    local.admitted(b, 0.0)
+    d = local.check("t", 0.0)
+    assert not d.ok and d.reason == "rate" and d.retry_after_s == pytest.approx(1.0)
+    assert local.check("t", 1.0).ok
+
+
+def test_reset_forgets_the_old_controller_and_update_drops_changed_limits():
+    local = LocalAdmission(tenants(max_concurrent=1, requests_per_s=1.0, burst=1))
+    a = local.sent("t", 0.0)
+    local.admitted(a, 0.0)
+    assert not local.check("t", 0.0).ok
+    local.reset()  # a new controller counts none of the old leases
+    assert local.check("t", 0.0).ok
+    local.released(a)  # an old-epoch lease ending changes nothing
+    assert local.held.get("t", 0) == 0
+    b = local.sent("t", 0.0)
+    local.admitted(b, 0.0)
+    local.released(b)
+    assert not local.check("t", 0.0).ok  # the bucket bound: no token
+    local.update(tenants(max_concurrent=1, requests_per_s=5.0, burst=3))  # new limits: a fresh bucket
+    assert local.check("t", 0.0).ok
+
+
+@settings(max_examples=60, deadline=None)
+@given(rate=st.sampled_from([0.5, 2.0, 10.0]), burst=st.integers(1, 4), conc=st.integers(1, 3),
+       events=st.lists(st.tuples(st.integers(0, 1), st.floats(0.0, 0.5), st.floats(0.0, 0.05),
+                                 st.floats(0.0, 0.05), st.floats(0.0, 1.0)), min_size=1, max_size=60))
+def test_simulation_local_refusals_are_controller_refusals(rate, burst, conc, events):
+    """Two replicas, one controller; each request: arrival gap, send->controller and
+    controller->reply latencies, lease duration. Whenever a replica refuses locally, a copy of the
+    controller's admission asked at that instant refuses too."""
+    ts = tenants(requests_per_s=rate, burst=burst, max_concurrent=conc)
+    ctl = Admission(ts)
+    replicas = [LocalAdmission(ts), LocalAdmission(ts)]
+    q: list = []  # (time, seq, kind, payload)
+    seq = 0
+    t = 0.0
+    for who, gap, d_in, d_out, hold in events:
+        t += gap
+        heapq.heappush(q, (t, seq, "arrive", (who, d_in, d_out, hold)))
+        seq += 1
+    local_refusals = 0
+    while q:
+        now, _, kind, p = heapq.heappop(q)
+        if kind == "arrive":
+            who, d_in, d_out, hold = p
+            local = replicas[who]
+            d = local.check("t", now)
+            if not d.ok:
+                local_refusals += 1
+                probe = copy.deepcopy(ctl)
+                assert not probe.admit("t", now).ok, "a local refusal the controller would have admitted"
+                continue
+            ticket = local.sent("t", now)
+            heapq.heappush(q, (now + d_in, seq, "controller", (who, ticket, d_out, hold)))
+        elif kind == "controller":
+            who, ticket, d_out, hold = p
+            dec = ctl.admit("t", now)
+            heapq.heappush(q, (now + d_out, seq, "reply", (who, ticket, dec, hold)))
+        elif kind == "reply":
+            who, ticket, dec, hold = p
+            if dec.ok:
+                replicas[who].admitted(ticket, now)
+                heapq.heappush(q, (now + hold, seq, "end", (who, ticket)))
+            else:
+                replicas[who].refused(ticket, dec.reason, dec.retry_after_s, now)
+        elif kind == "end":  # the replica forgets the lease, then the controller gets end()
+            who, ticket = p
+            replicas[who].released(ticket)
+            heapq.heappush(q, (now + 0.01, seq, "ctl_end", None))
+        else:
+            ctl.release("t")
+        seq += 1
+    assert all(r.held.get("t", 0) == 0 for r in replicas) and ctl.inflight.get("t", 0) == 0
+
+
+# -- ControllerClient feeding it (fake controller and worker handles, no Ray) -----------------------
+class _Method:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _Worker:
+    """A worker actor whose generate streams ``n`` outputs (the last finished), or raises ``error``."""
+
+    def __init__(self, n: int = 3, error: Exception | None = None):
+        self.n, self.error = n, error
+        self.generate = _Method(self._generate)
+        self.abort = _Method(lambda request_id: None)
+
+    def _generate(self, request, pulls, donor_pulls):
+        from engine.sequence import RequestOutput
+
+        async def refs():
+            for i in range(self.n):
+                async def ref(i=i):
+                    if self.error is not None:
+                        raise self.error
+                    return RequestOutput(request.request_id, [5], "x", i == self.n - 1, None, 20, 0, i + 1)
+                yield ref()
+        return refs()
+
+
+class _Controller:
+    """The controller handle: ``begin`` answers a lease or raises ``reject``; ``end`` is recorded
+    together with the client's held count at that moment."""
+
+    def __init__(self, client_box: list, worker: _Worker, reject=None, begin_delay_s: float = 0.0):
+        self.ends, self.begins = [], 0
+
+        async def begin(client_id, request, timeout):
+            from cluster.controller import Lease
+            from cluster.pool import RouteChoice
+
+            self.begins += 1
+            await asyncio.sleep(begin_delay_s)
+            if reject is not None:
+                raise reject
+            return Lease(request.request_id, "w0", worker, RouteChoice("w0"))
+
+        self.begin = _Method(begin)
+        self.started = _Method(lambda *a: None)
+        self.end = _Method(lambda lid, fin, dead: self.ends.append((lid, fin, client_box[0].local.held.get("acme", 0))))
+
+
+def _client(worker: _Worker, **kw):
+    from cluster.controller import ControllerClient
+    from tests.ingress_harness import TENANTS
+
+    data = json.loads(json.dumps(TENANTS))
+    data["tenants"][0]["limits"] = {"max_concurrent": 1, "requests_per_s": 1.0, "burst": 2}
+    c = ControllerClient("app", SimpleNamespace(app="app"), data)
+    box = [c]
+    c.handle = _Controller(box, worker, **kw)
+    return c
+
+
+def _request(rid: str = "r1"):
+    from engine.sequence import Request, SamplingParams
+
+    return Request(rid, tuple(range(3, 23)), SamplingParams(max_tokens=4, temperature=0), tenant="acme")
+
+
+async def test_client_counts_a_lease_while_it_streams_and_releases_before_end():
+    c = _client(_Worker(n=3))
+    stream = c.generate(_request())
+    await stream.__anext__()
+    d = c.pre_admit("acme")
+    assert not d.ok and d.reason == "concurrency"
+    assert c.pre_admit("globex").ok
+    async for _ in stream:
+        pass
+    assert c.local.held["acme"] == 0 and c.pre_admit("acme").ok
+    assert c.handle.ends == [("r1", True, 0)]  # end() sent after the replica forgot the lease
+
+
+async def test_client_releases_on_disconnect_on_worker_error_and_on_cancel():
+    import ray
+
+    from cluster.pool import WorkerDied
+
+    c = _client(_Worker(n=50))
+    stream = c.generate(_request("gone"))
+    await stream.__anext__()
+    await stream.aclose()  # the HTTP client went away mid-stream
+    assert c.local.held["acme"] == 0 and c.handle.ends == [("gone", False, 0)]
+
+    c = _client(_Worker(error=ray.exceptions.ActorDiedError()))
+    with pytest.raises(WorkerDied):
+        await c.generate(_request("dead")).__anext__()
+    assert c.local.held["acme"] == 0 and c.pre_admit("acme").ok
+
+    c = _client(_Worker(), begin_delay_s=5.0)
+    task = asyncio.get_running_loop().create_task(c.generate(_request("cancelled")).__anext__())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert c.local.held.get("acme", 0) == 0 and c.pre_admit("acme").ok
+
+
+async def test_client_learns_a_rate_refusal():
+    from cluster.controller import Rejected
+
+    c = _client(_Worker(), reject=Rejected("rate", 0.8))
+    with pytest.raises(Rejected):
+        await c.generate(_request()).__anext__()
+    d = c.pre_admit("acme")
+    assert not d.ok and d.reason == "rate" and 0 < d.retry_after_s <= 0.8
+    assert c.local.held.get("acme", 0) == 0
+
+
+# -- the HTTP ingress ---------------------------------------------------------------------------
+LIMITED = {"tenants": [
+    {"name": "acme", "api_keys": ["sk-acme"], "cache": {"min_blocks": 8}},  # others may hold 8 of 16 blocks
+    {"name": "single", "api_keys": ["sk-single"], "limits": {"max_concurrent": 1}},
+    {"name": "slow", "api_keys": ["sk-slow"], "limits": {"requests_per_s": 0.001, "burst": 1}},
+]}
+
+
+@pytest.fixture
+async def served(tiny_model, monkeypatch):
+    from tests.ingress_harness import make_ingress
+
+    app, ing, engine = make_ingress(tiny_model, monkeypatch, tenants_data=LIMITED, num_blocks=16)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                                 base_url="http://test", timeout=60) as client:
+        yield client, ing, engine
+    engine.shutdown()
+
+
+def _post(client, key, content: bytes):
+    return client.post("/v1/completions", headers={"Authorization": f"Bearer {key}",
+                                                    "Content-Type": "application/json"}, content=content)
+
+
+def _good(prompt="hello", **kw) -> bytes:
+    from tests.ingress_harness import TINY
+
+    return json.dumps({"model": TINY, "prompt": prompt, "max_tokens": 2, "temperature": 0, **kw}).encode()
+
+
+def _rejected(ing, tenant, reason) -> float:
+    return ing.metrics.rejected.labels(tenant=tenant, reason=reason)._value.get()
+
+
+async def test_over_the_concurrency_limit_is_429_before_the_body_is_read(served):
+    from engine.sequence import Request, SamplingParams
+    from tests.ingress_harness import pool_idle
+
+    client, ing, engine = served
+    held = ing.pool.generate(Request("held", tuple(range(3, 13)), SamplingParams(max_tokens=100, ignore_eos=True),
+                                     tenant="single"))
+    await held.__anext__()  # "single" holds its one lease
+    begun = ing.pool.begun
+    r = await _post(client, "sk-single", b"{not json at all")
+    assert r.status_code == 429, r.text  # not 400: the body was never read
+    assert r.json()["error"]["code"] == "rate_limit_exceeded" and int(r.headers["Retry-After"]) >= 1
+    assert ing.pool.begun == begun  # the controller never saw it
+    assert _rejected(ing, "single", "concurrency") == 1
+    assert (await _post(client, "sk-acme", _good())).status_code == 200  # another tenant is served
+    await held.aclose()  # the lease ends (as on a client disconnect)
+    assert ing.pool.local.held["single"] == 0
+    r = await _post(client, "sk-single", _good())
+    assert r.status_code == 200, r.text  # under the limit again: admitted
+    assert ing.pool.local.held["single"] == 0 and not any(ing.pool.controller.admission.inflight.values())
+    assert await pool_idle(engine)
+
+
+async def test_over_the_rate_limit_is_429_without_the_controller(served):
+    client, ing, engine = served
+    begun = ing.pool.begun
+    assert (await _post(client, "sk-slow", _good())).status_code == 200  # the bucket's one token, taken here too
+    assert ing.pool.begun == begun + 1
+    r = await _post(client, "sk-slow", b"\x00garbage")
+    assert r.status_code == 429 and ing.pool.begun == begun + 1  # refused here, body unread
+    assert r.json()["error"]["code"] == "rate_limit_exceeded" and int(r.headers["Retry-After"]) >= 1
+    assert _rejected(ing, "slow", "rate") == 1
+    assert (await _post(client, "sk-acme", _good())).status_code == 200
+
+
+async def test_counts_return_to_zero_after_errors(served):
+    from tests.ingress_harness import pool_idle
+
+    client, ing, engine = served
+    # admitted, then refused by the engine (200 tokens > the 8 blocks "single" may hold): a 400 after admission
+    begun = ing.pool.begun
+    r = await _post(client, "sk-single", _good(prompt=list(range(3, 203)), max_tokens=1))
+    assert ing.pool.begun == begun + 1
+    assert r.status_code == 400, r.text
+    assert ing.pool.local.held["single"] == 0 and not any(ing.pool.controller.admission.inflight.values())
+    r = await _post(client, "sk-single", _good(stream=True))  # streamed to the end
+    assert r.status_code == 200 and "[DONE]" in r.text
+    assert ing.pool.local.held["single"] == 0
+    assert (await _post(client, "sk-single", b"[1, 2]")).status_code == 400  # invalid body, under the limit
+    assert ing.pool.local.held["single"] == 0 and (await _post(client, "sk-single", _good())).status_code == 200
+    assert await pool_idle(engine)
