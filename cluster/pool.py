@@ -49,7 +49,7 @@ from typing import AsyncIterator
 import ray
 
 from actors.worker import worker_actor_class
-from cluster.routing import CostAwareRouter
+from cluster.routing import ROUTE_TIMEOUT_S, CostAwareRouter
 from cluster.types import (LeastLoadedRouter, RouteChoice, Router, WorkerDied, WorkerState,  # noqa: F401 - re-exported
                            WorkerUnavailable)
 from engine.async_engine import EngineDead
@@ -212,13 +212,13 @@ class WorkerPool:
         if self._router_actor is None:  # the first ready worker tells the KV size per token
             cost = CostConfig(block_size=ws.info["block_size"], bytes_per_token=ws.info["kv_bytes_per_token"])
             self._router_actor = await asyncio.to_thread(get_or_create_router, cost, False, self.config.app or None)
-            self._router_client = RouterClient(self._router_actor)
+            self._router_client = RouterClient(self._router_actor, timeout_s=ROUTE_TIMEOUT_S)
         await _aref(ws.actor.start_index_publisher.remote())
         await _aref(ws.actor.attach_router.remote(self._router_actor))
         self._router_client.report("register", ws.worker_id, ws.info["node_id"])
         if not isinstance(self.router, CostAwareRouter):
             self.router = CostAwareRouter(ws.info["model_id"], ws.info["block_size"], self._index,
-                                          self._router_client, self.workers.get)
+                                          self._router_client, self.workers.get, timeout_s=ROUTE_TIMEOUT_S)
 
     async def check_health(self) -> list[str]:
         """Ask every ready worker for its health; retire (and replace) those whose engine died.

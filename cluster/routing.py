@@ -41,6 +41,12 @@ from policies.routing import WorkerLoad, pull_deadline_s
 log = logging.getLogger(__name__)
 
 
+# How long one request waits for the index lookup and the router's ranking before it routes
+# without them. 50 ms timed out under load on 2 cores (the cluster bench: lookups dropped to
+# placement without holdings, whose misses cost a full prefill); a miss costs far more than this.
+ROUTE_TIMEOUT_S = 0.2
+
+
 class CostAwareRouter:
     def __init__(self, model_id: str, block_size: int, index=None, client: RouterClient | None = None,
                  worker_lookup: Callable[[str], WorkerState | None] | None = None, timeout_s: float = 0.05,
@@ -77,7 +83,10 @@ class CostAwareRouter:
             else:
                 found = await lookup_with_timeout(self.index, chains, self.timeout_s)
             holdings = found or {}
-        choice = await self._choose_exact(request, candidates, holdings, chains)
+            indexed = found is not None
+        else:
+            indexed = True
+        choice = await self._choose_exact(request, candidates, holdings, chains, indexed)
         if slots:
             offers = self._donor_offers(choice.worker_id, slots)
             if offers:
@@ -101,7 +110,7 @@ class CostAwareRouter:
         return tuple(offers)
 
     async def _choose_exact(self, request: Request, candidates: Sequence[WorkerState], holdings: dict[str, int],
-                            chains: dict[str, list[bytes]]) -> RouteChoice:
+                            chains: dict[str, list[bytes]], indexed: bool = True) -> RouteChoice:
         """Holder / pull / recompute by the router actor's TTFT ranking, with placement on top
         (``policies.placement``): prefixes routed but not yet indexed count as held, a new
         prefix goes where it evicts the least, a holder keeps its group unless clearly slower.
@@ -110,13 +119,14 @@ class CostAwareRouter:
         for w in candidates:  # capacity from the worker's ready() (unknown: unbounded)
             self.placer.shadow(w.worker_id, (w.info or {}).get("num_blocks"))
         prompt = len(request.prompt_ids)
-        pending = self.placer.pending_tokens(chains, holdings, workers, prompt, self.block_size, time.monotonic())
+        known = holdings if indexed else None  # a lookup that timed out must not purge the shadow caches
+        pending = self.placer.pending_tokens(chains, known, workers, prompt, self.block_size, time.monotonic())
         self._publish_loads(candidates)
         ranking = await self.client.rank(prompt, holdings, workers, pending)
         # decided after the await, so requests routed meanwhile are in the shadow caches already
         loads = {w.worker_id: float(sum(w.queued.values())) for w in candidates}
         placed = self.placer.decide(request.prompt_ids, request.params.max_tokens, self.block_size, chains,
-                                    request.domain, holdings, workers, loads, ranking or None, time.monotonic(),
+                                    request.domain, known, workers, loads, ranking or None, time.monotonic(),
                                     reuse=request.reuse != "none")
         if placed is None:
             return await self.fallback.choose(request, candidates)

@@ -247,16 +247,17 @@ class Placer:
     def remove(self, worker: WorkerId) -> None:
         self.shadows.pop(worker, None)
 
-    def pending_tokens(self, chains: Mapping[str, Sequence[bytes]], holdings: Mapping[WorkerId, int],
+    def pending_tokens(self, chains: Mapping[str, Sequence[bytes]], holdings: Mapping[WorkerId, int] | None,
                        workers: Sequence[WorkerId], prompt_tokens: int, block_size: int,
                        now: float) -> dict[WorkerId, int]:
         """Step 1 of a decision: per worker, prompt tokens it holds by the router's own record
-        (for the cost model's ``pending``: they count as the worker's own prefix)."""
-        held = _held_blocks(holdings, prompt_tokens, block_size)
+        (for the cost model's ``pending``: they count as the worker's own prefix). ``holdings``
+        None: the index did not answer (its record is then kept as it is, not reconciled)."""
+        held = None if holdings is None else _held_blocks(holdings, prompt_tokens, block_size)
         return {w: n * block_size for w, n in self.pending(chains, held, workers, now).items()}
 
     def decide(self, prompt_ids: Sequence[int], max_tokens: int, block_size: int,
-               chains: Mapping[str, Sequence[bytes]], own_domain: str, holdings: Mapping[WorkerId, int],
+               chains: Mapping[str, Sequence[bytes]], own_domain: str, holdings: Mapping[WorkerId, int] | None,
                workers: Sequence[WorkerId], loads: Mapping[WorkerId, float], ranking: Sequence[Candidate] | None,
                now: float, reuse: bool = True) -> Placement | None:
         """Step 2: the placement of one request, and (``reuse``) its record in the chosen
@@ -266,9 +267,9 @@ class Placer:
         candidate per worker (None: decide from the loads alone). None when no worker fits."""
         prompt = len(prompt_ids)
         usable = max(0, (prompt - 1) // block_size)
-        held = _held_blocks(holdings, prompt, block_size)
+        held = None if holdings is None else _held_blocks(holdings, prompt, block_size)
         pending = self.pending(chains, held, workers, now) if chains else {}
-        local = {w: max(held.get(w, 0), pending.get(w, 0)) for w in workers}
+        local = {w: max((held or {}).get(w, 0), pending.get(w, 0)) for w in workers}
         own = list(chains.get(own_domain, ()))
         total = -(-(prompt + max_tokens) // block_size)
         proxy = {w: PROXY_TOKEN_S * (loads.get(w, 0.0) + prompt - local[w] * block_size) for w in workers}
@@ -283,16 +284,19 @@ class Placer:
             self.commit(placed.worker, own, max(0, total - len(own)), now)
         return placed
 
-    def pending(self, chains: Mapping[str, Sequence[bytes]], holdings_blocks: Mapping[WorkerId, int],
+    def pending(self, chains: Mapping[str, Sequence[bytes]], holdings_blocks: Mapping[WorkerId, int] | None,
                 workers: Sequence[WorkerId], now: float) -> dict[WorkerId, int]:
         """Per worker, prompt blocks it holds by the router's own record (routed there, maybe
-        not yet indexed), after reconciling with the index's ``holdings_blocks``."""
+        not yet indexed), after reconciling with the index's ``holdings_blocks``. None: the
+        index did not answer, so nothing is reconciled (a timed-out lookup is not evidence that
+        a prefix is gone: treating it as such emptied the record under load)."""
         out: dict[WorkerId, int] = {}
         for w in workers:
             s = self.shadow(w)
             best = 0
             for chain in chains.values():
-                s.reconcile(chain, holdings_blocks.get(w, 0), now, self.config.index_lag_s)
+                if holdings_blocks is not None:
+                    s.reconcile(chain, holdings_blocks.get(w, 0), now, self.config.index_lag_s)
                 best = max(best, s.match(chain))
             if best:
                 out[w] = best

@@ -56,6 +56,14 @@ def test_reconcile_trusts_the_index_after_its_lag():
     assert s.match(chain) == 3
 
 
+def test_an_index_that_did_not_answer_does_not_purge_the_router_record():
+    placer = Placer(PlacementConfig(index_lag_s=5.0))
+    chain = [b"p%d" % i for i in range(8)]
+    placer.commit("w0", chain, 0, now=0.0)
+    assert placer.pending({"d": chain}, None, ["w0"], now=100.0) == {"w0": 8}  # lookup timed out: kept
+    assert placer.pending({"d": chain}, {}, ["w0"], now=100.0) == {}  # the index answered "not held": gone
+
+
 # -- the rules --------------------------------------------------------------------------------
 def test_no_match_places_on_headroom_not_on_worker_order():
     views = [view("w0", 0.5, eviction=(40, 1, -1.0)), view("w1", 0.5, eviction=(0, 0, -3.0), rank=3),
