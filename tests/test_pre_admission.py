@@ -340,3 +340,15 @@ async def test_counts_return_to_zero_after_errors(served):
     assert (await _post(client, "sk-single", b"[1, 2]")).status_code == 400  # invalid body, under the limit
     assert ing.pool.local.held["single"] == 0 and (await _post(client, "sk-single", _good())).status_code == 200
     assert await pool_idle(engine)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _leave_no_ray_behind():
+    """The fake-handle client tests reach ``ray.cancel`` in ``stream_outputs``' clean-up, which
+    starts a local Ray when none runs; shut it down so later modules can ``ray.init`` their own."""
+    import ray
+
+    was = ray.is_initialized()
+    yield
+    if not was and ray.is_initialized():
+        ray.shutdown()
