@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import sys
 import tempfile
 import time
@@ -37,12 +36,6 @@ import numpy as np  # noqa: E402
 
 KEY = "sk-bench"
 CONFIGS = ("kvmesh", "pow2")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stream_once(client, path: str, prompt: list[int], max_tokens: int) -> dict:
@@ -65,27 +58,16 @@ def stream_once(client, path: str, prompt: list[int], max_tokens: int) -> dict:
     return {"ttft_s": times[0] if times else None, "tpot_s": tpot, "latency_s": end, "cached": cached}
 
 
-def app_pids(app: str) -> dict[str, list[int]]:
-    """PIDs of an app's actors by role (ingress, controller, router, index, worker, engine replica)."""
-    from ray.util.state import list_actors
+# the processes of each configuration (``bench.servelab.processes`` roles; the Serve proxy, shared
+# by both apps, is counted on its own)
+ROLES = {"kvmesh": ("ingress", "controller", "router", "index", "worker"), "pow2": ("ingress", "engine_replica")}
 
-    roles: dict[str, list[int]] = {}
-    for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000, detail=True):
-        name, cls = a.get("name") or "", a.get("class_name") or ""
-        role = None
-        if f"SERVE_REPLICA::{app}#" in name:
-            role = "engine_replica" if "EngineReplica" in name else "ingress"
-        elif cls == "Controller" and app in name:
-            role = "controller"
-        elif cls == "Router" and app in name:
-            role = "router"
-        elif cls == "IndexActor" and app.endswith("kvmesh"):
-            role = "index"
-        elif cls == "Worker" and app.endswith("kvmesh"):  # kvmesh's workers are anonymous: the only Worker actors here
-            role = "worker"
-        if role and a.get("pid"):
-            roles.setdefault(role, []).append(int(a["pid"]))
-    return roles
+
+def app_pids(app: str, config: str) -> dict[str, list[int]]:
+    from bench.servelab import processes
+
+    procs = processes(app)
+    return {role: [p["pid"] for p in procs.get(role, [])] for role in ROLES[config]}
 
 
 def cpu_s(pids: dict[str, list[int]]) -> dict[str, float]:
@@ -123,11 +105,12 @@ def main(argv=None) -> dict:
     import yaml
     from ray import serve
 
+    from bench.servelab import free_port, processes
     from cluster.app import build_app as kvmesh_app
     from cluster.baselines import build_app as baseline_app
 
-    ray.init(address="local", num_cpus=4, include_dashboard=True, log_to_driver=False)  # the state API (actor PIDs) needs it
-    port = _free_port()
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = free_port()
     rows: dict = {c: [] for c in CONFIGS}
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -143,9 +126,8 @@ def main(argv=None) -> dict:
             for c in CONFIGS:  # warm-up: the first computes the prefix, the second hits it
                 for _ in range(2):
                     stream_once(client, f"/{c}", prompt, a.max_tokens)
-            pids = {c: app_pids(f"rp-{c}") for c in CONFIGS}
-            proxy = [int(x["pid"]) for x in __import__("ray.util.state", fromlist=["list_actors"]).list_actors(
-                filters=[("class_name", "=", "ProxyActor"), ("state", "=", "ALIVE")], detail=True)]
+            pids = {c: app_pids(f"rp-{c}", c) for c in CONFIGS}
+            proxy = [p["pid"] for p in processes("rp-kvmesh").get("serve_proxy", [])]
             busy = {c: 0.0 for c in CONFIGS}
             cpu = {c: {} for c in CONFIGS}
             for i in range(a.requests):

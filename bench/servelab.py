@@ -89,15 +89,17 @@ def _pid_node(handle, timeout_s: float = 15.0) -> tuple[int, str] | None:
 
 def processes(app: str) -> dict[str, list[dict]]:
     """role -> [{"name", "pid", "node_id"}] of the app's live actors: workers (from the index),
-    controller, index, router, ingress replicas, Serve's controller and proxies (named actors;
-    no dashboard needed)."""
+    controller, index, router, ingress replicas, the engine replicas of a ``cluster.baselines``
+    app, Serve's controller and proxies (named actors; no dashboard needed)."""
     out: dict[str, list[dict]] = {}
     named = ray.util.list_named_actors(all_namespaces=True)
     for entry in named:
         name, ns = entry["name"], entry["namespace"]
+        replica = name.startswith("SERVE_REPLICA::")
         role = ("controller" if name == controller_name(app) else "index" if name == INDEX_NAME
                 else "router" if name == router_name(app)
-                else "ingress" if name.startswith("SERVE_REPLICA::") and f"{app}#KvmeshIngress" in name
+                else "ingress" if replica and (f"{app}#KvmeshIngress" in name or f"{app}#BaselineIngress" in name)
+                else "engine_replica" if replica and f"{app}#EngineReplica" in name
                 else "serve_controller" if name == "SERVE_CONTROLLER_ACTOR"
                 else "serve_proxy" if name.startswith("SERVE_CONTROLLER_ACTOR:") or "PROXY" in name.upper() else None)
         if role is None:

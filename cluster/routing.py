@@ -70,7 +70,7 @@ class CostAwareRouter:
     max_donor_offers = 8  # donor offers sent with one request (the worker pulls at most one or two)
 
     async def choose(self, request: Request, candidates: Sequence[WorkerState]) -> RouteChoice:
-        holdings: dict[str, int] = {}
+        found: dict[str, int] | None = {}  # None: the index did not answer in time
         chains: dict[str, list[bytes]] = {}
         slots: list[dict] | None = None
         domains = (request.domain, *request.read_domains)
@@ -82,11 +82,7 @@ class CostAwareRouter:
                     lookup_template_with_timeout(self.index, request.template, domains, self.timeout_s))
             else:
                 found = await lookup_with_timeout(self.index, chains, self.timeout_s)
-            holdings = found or {}
-            indexed = found is not None
-        else:
-            indexed = True
-        choice = await self._choose_exact(request, candidates, holdings, chains, indexed)
+        choice = await self._choose_exact(request, candidates, found, chains)
         if slots:
             offers = self._donor_offers(choice.worker_id, slots)
             if offers:
@@ -109,8 +105,8 @@ class CostAwareRouter:
                 break
         return tuple(offers)
 
-    async def _choose_exact(self, request: Request, candidates: Sequence[WorkerState], holdings: dict[str, int],
-                            chains: dict[str, list[bytes]], indexed: bool = True) -> RouteChoice:
+    async def _choose_exact(self, request: Request, candidates: Sequence[WorkerState], found: dict[str, int] | None,
+                            chains: dict[str, list[bytes]]) -> RouteChoice:
         """Holder / pull / recompute by the router actor's TTFT ranking, with placement on top
         (``policies.placement``): prefixes routed but not yet indexed count as held, a new
         prefix goes where it evicts the least, a holder keeps its group unless clearly slower.
@@ -119,14 +115,14 @@ class CostAwareRouter:
         for w in candidates:  # capacity from the worker's ready() (unknown: unbounded)
             self.placer.shadow(w.worker_id, (w.info or {}).get("num_blocks"))
         prompt = len(request.prompt_ids)
-        known = holdings if indexed else None  # a lookup that timed out must not purge the shadow caches
-        pending = self.placer.pending_tokens(chains, known, workers, prompt, self.block_size, time.monotonic())
+        holdings = found or {}  # ``found`` None (timed out) must not purge the shadow caches: passed as is
+        pending = self.placer.pending_tokens(chains, found, workers, prompt, self.block_size, time.monotonic())
         self._publish_loads(candidates)
         ranking = await self.client.rank(prompt, holdings, workers, pending)
         # decided after the await, so requests routed meanwhile are in the shadow caches already
         loads = {w.worker_id: float(sum(w.queued.values())) for w in candidates}
         placed = self.placer.decide(request.prompt_ids, request.params.max_tokens, self.block_size, chains,
-                                    request.domain, known, workers, loads, ranking or None, time.monotonic(),
+                                    request.domain, found, workers, loads, ranking or None, time.monotonic(),
                                     reuse=request.reuse != "none")
         if placed is None:
             return await self.fallback.choose(request, candidates)
@@ -142,9 +138,9 @@ class CostAwareRouter:
             return RouteChoice(placed.worker, "local" if cached else "recomputed", (), None,
                                cached_tokens=cached, placement=placed.kind)
         pulls = []
-        # the prefill per computed token of this option, to price recomputing the pulled ones
-        computed = max(1, len(request.prompt_ids) - chosen.cached_tokens)
-        deadline = pull_deadline_s(chosen.pull_s, chosen.prefill_s / computed * chosen.pulled_tokens)
+        if chosen.pulls:  # the prefill per computed token of this option prices recomputing the pulled ones
+            computed = max(1, len(request.prompt_ids) - chosen.cached_tokens)
+            deadline = pull_deadline_s(chosen.pull_s, chosen.prefill_s / computed * chosen.pulled_tokens)
         for r in chosen.pulls:
             holder = self.worker_lookup(r.holder)
             if holder is None or holder.dead:
