@@ -76,6 +76,21 @@ def index_cross_reads(server) -> dict:
     return server["ray"].get(get_index().read_stats.remote(), timeout=30)["cross_tenant_reads"]
 
 
+def index_blocks(server) -> int:
+    from actors.index_actor import get_index
+
+    return server["ray"].get(get_index().stats.remote(), timeout=30)["blocks"]
+
+
+def wait_index_blocks_above(server, n: int, timeout_s: float = 30.0) -> None:
+    """The workers publish their blocks to the index in the background (10 Hz): a lookup
+    made before a chain is published finds nothing and counts no read."""
+    deadline = time.monotonic() + timeout_s
+    while index_blocks(server) <= n:
+        assert time.monotonic() < deadline, "the index never received the new blocks"
+        time.sleep(0.05)
+
+
 def test_cache_salt_narrows_sharing_and_is_validated(server):
     p = "salted prompt for two users of one tenant, long enough for blocks. " * 2
     assert cached(server, "sk-solo", p, cache_salt="alice") == 0
@@ -100,7 +115,9 @@ def test_no_tenant_reads_another_without_a_grant(server):
     assert cached(server, "sk-acme", p, kvmesh={"reuse": "approximate"}) == 0
     assert engine_cross_reads(server) == {} and index_cross_reads(server) == {}
     # the grant acme -> globex is the only way across, and both counters see it
+    before = index_blocks(server)
     assert cached(server, "sk-acme", PROMPT) == 0
+    wait_index_blocks_above(server, before)  # else globex's lookup may precede acme's publish
     assert cached(server, "sk-globex", PROMPT) > 0
     assert engine_cross_reads(server).keys() == {"globex<-acme"}
     assert index_cross_reads(server).keys() == {"globex<-acme"}
