@@ -13,7 +13,9 @@
    config with this run's edits (``bench.cluster_setup``) from the head (``ray exec``), wait until
    it serves, warm up, then drive (a) the shared-prefix workload with inference-perf
    (``bench.ipperf``, a separate process per offered rate: Poisson arrivals, its
-   ``shared_prefix`` generator, a fresh seed per rate so no prompt repeats), (b) multi-turn chat,
+   ``shared_prefix`` generator, a fresh seed per rate so no prompt repeats), then its hot-prefix
+   variant at ``--hot-rates`` (one group: one system prompt shared by every user, as one
+   application sends it; ``summary.hot_prefix``), (b) multi-turn chat,
    the multi-tenant mix (with the template tenant) and the Mooncake-format trace with kvmesh's
    own generator (``bench.loadgen``); ``/metrics`` and ``/kvmesh/workers`` are read after each
    step; then ``serve shutdown``. 4. ``ray down``; every host, namespace and link is removed.
@@ -298,6 +300,8 @@ def parse_args(argv=None):
     ap.add_argument("--system-len", type=int, default=512)
     ap.add_argument("--question-len", type=int, default=40)
     ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--hot-rates", default=None,
+                    help="offered rates of the hot-prefix workload (one system prompt for all users; '' = skip)")
     ap.add_argument("--pool-ratio", type=float, default=3.0, help="distinct prefixes / one worker's KV pool")
     ap.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT SLO (s) for goodput")
     ap.add_argument("--other-rate", type=float, default=0.8, help="req/s of the multi-tenant mix")
@@ -314,6 +318,8 @@ def parse_args(argv=None):
     a.stage_s = a.stage_s or (20 if a.quick else 30)
     a.groups = a.groups or (8 if a.quick else 12)
     a.users = a.users or max(4, int(max(a.rates) * a.stage_s / a.groups) + 1)
+    hot = ("" if a.quick else "0.7,1.3") if a.hot_rates is None else a.hot_rates
+    a.hot_rates = [float(x) for x in hot.split(",") if x]
     a.configs = [c for c in a.configs.split(",") if c]
     a.workloads = [w for w in a.workloads.split(",") if w]
     return a
@@ -346,7 +352,8 @@ def main(argv=None) -> dict:
     workers = [f"w{i}" for i in range(1, args.workers + 1)]
     links = [LinkSpec("head", args.fast_mbit)] + [LinkSpec(w, args.slow_mbit if w == workers[-1] else args.fast_mbit)
                                                   for w in workers]
-    steps = sum(len(args.rates) + len(others) + 1 for c in args.configs if c != "kvmesh+approx" or args.approx_all)
+    steps = sum(len(args.rates) + len(args.hot_rates) + len(others) + 1
+                for c in args.configs if c != "kvmesh+approx" or args.approx_all)
     steps += 2 if "kvmesh+approx" in args.configs and not args.approx_all else 0
     bar = tqdm(total=steps, desc="cluster bench", unit="step", dynamic_ncols=True)
     log = lambda msg: tqdm.write(f"[{time.strftime('%H:%M:%S', time.gmtime())}] {msg}")  # noqa: E731
@@ -417,6 +424,14 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
                 res["shared_prefix"].append(shared_prefix_rate(cl, name, args, exe, mdir, tok, k, rate, log))
                 m1 = parse_prometheus(cl.get("/metrics")[1])
                 res["shared_prefix"][-1]["kvmesh_metrics"] = decisions(metrics_delta(m0, m1))
+                m0 = m1
+                bar.update(1)
+                write(doc, Path(args.out))
+            res["hot_prefix"] = []
+            for k, rate in enumerate(args.hot_rates):
+                res["hot_prefix"].append(shared_prefix_rate(cl, name, args, exe, mdir, tok, k, rate, log, hot=True))
+                m1 = parse_prometheus(cl.get("/metrics")[1])
+                res["hot_prefix"][-1]["kvmesh_metrics"] = decisions(metrics_delta(m0, m1))
                 m0 = m1
                 bar.update(1)
                 write(doc, Path(args.out))
@@ -504,16 +519,21 @@ def pull_log(cl: Cluster, limit: int = 40) -> dict:
             "replicated": sum("replicating" in x for x in lines), "lines": lines[-limit:]}
 
 
-def shared_prefix_rate(cl: Cluster, name: str, args, exe, mdir, tok, k: int, rate: float, log) -> dict:
-    """One offered rate of the shared-prefix workload through inference-perf."""
-    spec = ipperf.SharedPrefixSpec(args.groups, args.users, args.system_len, args.question_len, args.output_len,
-                                   seed=1000 + k)
-    d = cl.out / f"{name.replace('+', '-')}-rate{k}"
+def shared_prefix_rate(cl: Cluster, name: str, args, exe, mdir, tok, k: int, rate: float, log,
+                       hot: bool = False) -> dict:
+    """One offered rate of the shared-prefix workload through inference-perf. ``hot``: the
+    hot-prefix variant, one group (one system prompt shared by every user, the common case of
+    one application), enough users that no prompt repeats within the stage."""
+    groups = 1 if hot else args.groups
+    users = int(rate * args.stage_s) + 4 if hot else args.users
+    spec = ipperf.SharedPrefixSpec(groups, users, args.system_len, args.question_len, args.output_len,
+                                   seed=(2000 if hot else 1000) + k)
+    d = cl.out / f"{name.replace('+', '-')}-{'hot' if hot else 'rate'}{k}"
     d.mkdir(parents=True, exist_ok=True)
     cfg = ipperf.config(spec, [rate], args.stage_s, cl.base_url, f"sk-{setup.BENCH_TENANT}", MODEL, str(mdir),
                         d / "reports")
     setup.dump_yaml(cfg, d / "inference-perf.yaml")
-    log(f"{name}: shared prefix at {rate:g} req/s for {args.stage_s}s (inference-perf)")
+    log(f"{name}: {'hot' if hot else 'shared'} prefix at {rate:g} req/s for {args.stage_s}s (inference-perf)")
     t0 = time.monotonic()
     cpu0 = cpu_by_component(cl)
     rc = ipperf.run(exe, d / "inference-perf.yaml", d / "inference-perf.log", timeout_s=args.stage_s * 6 + 300)
@@ -537,38 +557,49 @@ def _f(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def curves(doc: dict) -> dict[str, list[report.Point]]:
+def curves(doc: dict, key: str = "shared_prefix") -> dict[str, list[report.Point]]:
     out = {}
     for name, res in doc["configs"].items():
         pts = [report.Point(s["rate"], s["request_throughput"] or 0.0, s["ttft_s"]["p50"] or 0.0,
                             s["ttft_s"]["p90"] or 0.0, s["ttft_s"]["p99"] or 0.0, s["errors"])
-               for s in res.get("shared_prefix", []) if s.get("ok")]
+               for s in res.get(key, []) if s.get("ok")]
         if pts:
             out[name] = pts
     return out
 
 
+def series_summary(doc: dict, key: str) -> tuple[dict, dict]:
+    """``report.summary`` of one inference-perf series (``shared_prefix`` or ``hot_prefix``) over
+    the configurations that ran it, and its TTFT curves; hit tokens are each configuration's
+    against the oracle of its own prompts."""
+    cv = curves(doc, key)
+    ran = {n: r[key] for n, r in doc["configs"].items() if r.get(key)}
+    hits = {n: sum(s["hit"]["cached_tokens"] for s in st) for n, st in ran.items()}
+    oracle = {n: sum(s["hit"]["oracle_cached_tokens"] for s in st) for n, st in ran.items()}
+    s = report.summary(cv, hits, max(oracle.values(), default=0)) if cv else {}
+    s["hit_tokens_vs_oracle"] = {**{n: (hits[n] / oracle[n] if oracle[n] else None) for n in hits}, "oracle": 1.0}
+    return s, cv
+
+
 def finish(doc: dict, out_json: Path) -> None:
-    cv = curves(doc)
-    hits = {n: sum(s["hit"]["cached_tokens"] for s in r.get("shared_prefix", [])) for n, r in doc["configs"].items()
-            if r.get("shared_prefix")}
-    oracle = {n: sum(s["hit"]["oracle_cached_tokens"] for s in r.get("shared_prefix", []))
-              for n, r in doc["configs"].items() if r.get("shared_prefix")}
-    ref = max(oracle.values(), default=0)
-    hit_by_cfg = {n: (hits[n] / oracle[n] if oracle[n] else None) for n in hits}
-    s = report.summary(cv, {n: hits[n] for n in hits}, ref) if cv else {"hit_tokens_vs_oracle": {}}
-    s["hit_tokens_vs_oracle"] = {**hit_by_cfg, "oracle": 1.0}  # each against the oracle of its own prompts
+    s, cv = series_summary(doc, "shared_prefix")
+    hit_by_cfg = {n: v for n, v in s["hit_tokens_vs_oracle"].items() if n != "oracle"}
+    hot_summary, hot = series_summary(doc, "hot_prefix")
+    if hot:
+        s["hot_prefix"] = hot_summary
     doc["summary"] = s
     if cv:
         doc["targets"] = report.targets(s)
     ratios = {"shared_prefix": dict(hit_by_cfg)}
+    if hot:
+        ratios["hot_prefix"] = {n: v for n, v in hot_summary["hit_tokens_vs_oracle"].items() if n != "oracle"}
     for n, r in doc["configs"].items():
         for w, ws in (r.get("workloads") or {}).items():
             ratios.setdefault(w, {})[n] = ws["hit"]["vs_oracle"]
     doc["hit_ratios"] = ratios
     write(doc, out_json)
     if cv:
-        report.plot(cv, ratios, out_json.with_suffix(".png"))
+        report.plot({**cv, **{f"{n} (hot)": c for n, c in hot.items()}}, ratios, out_json.with_suffix(".png"))
     print_table(doc)
 
 
@@ -582,9 +613,10 @@ def print_table(doc: dict) -> None:
     print(f"{'config':14s} {'rate':>5s} {'ok':>7s} {'req/s':>6s} {'tok/s':>6s} {'p50':>6s} {'p90':>6s} {'p99':>6s} "
           f"{'tpot':>6s} {'good':>6s} {'hit/or':>6s}  routes")
     for name, res in doc["configs"].items():
-        for s in res.get("shared_prefix", []):
+        series = [("", x) for x in res.get("shared_prefix", [])] + [("hot ", x) for x in res.get("hot_prefix", [])]
+        for key, s in series:
             t = s["ttft_s"]
-            print(f"{name:14s} {s['rate']:5.2f} {s['ok']:3d}/{s['requests']:<3d} {s['request_throughput'] or 0:6.2f} "
+            print(f"{key + name:14s} {s['rate']:5.2f} {s['ok']:3d}/{s['requests']:<3d} {s['request_throughput'] or 0:6.2f} "
                   f"{s['output_token_throughput'] or 0:6.1f} {_f(t['p50']):>6s} {_f(t['p90']):>6s} {_f(t['p99']):>6s} "
                   f"{_f(s['tpot_s']['p50']):>6s} {s['goodput'] or 0:6.2f} {_f(s['hit']['vs_oracle']):>6s}  "
                   f"{s.get('kvmesh_metrics', {}).get('routes', {})}")
@@ -595,6 +627,11 @@ def print_table(doc: dict) -> None:
     print("summary:", json.dumps(doc.get("summary", {}).get("throughput_at_equal_p99_ttft")),
           "hit vs oracle:", json.dumps(doc.get("summary", {}).get("hit_tokens_vs_oracle")),
           "p90 affinity/kvmesh:", doc.get("summary", {}).get("ttft_p90_affinity_over_kvmesh"))
+    hot = doc.get("summary", {}).get("hot_prefix")
+    if hot:
+        print("hot prefix:", json.dumps(hot.get("throughput_at_equal_p99_ttft")), "hit vs oracle:",
+              json.dumps(hot.get("hit_tokens_vs_oracle")), "p90 affinity/kvmesh:",
+              hot.get("ttft_p90_affinity_over_kvmesh"), "p90 pow2/kvmesh:", hot.get("ttft_p90_pow2_over_kvmesh"))
     for k, v in (doc.get("targets") or {}).items():
         print(f"  target {k}: {v['value']} (>= {v['target']}) {'met' if v['met'] else 'NOT met'}")
     print("leftovers:", doc.get("leftovers"))

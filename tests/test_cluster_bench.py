@@ -152,3 +152,29 @@ def test_inference_perf_config_uses_its_shared_prefix_generator_and_a_poisson_sw
     assert c["load"]["type"] == "poisson" and [s["rate"] for s in c["load"]["stages"]] == [0.5, 1.0]
     assert c["server"]["api_key"] == "sk-bench" and c["api"]["streaming"]
     assert spec.distinct_prefix_tokens == 12 * 512 and spec.prompts == 96
+
+
+def _stage(rate, thr, p99, cached, oracle):
+    return {"rate": rate, "ok": 10, "requests": 10, "errors": 0, "request_throughput": thr,
+            "output_token_throughput": thr * 16, "goodput": thr, "ttft_s": {"p50": p99 / 2, "p90": p99 * 0.8, "p99": p99},
+            "tpot_s": {"p50": 0.1}, "hit": {"cached_tokens": cached, "oracle_cached_tokens": oracle,
+                                            "vs_oracle": cached / oracle}}
+
+
+def test_finish_summarises_the_hot_prefix_series_apart_from_the_shared_prefix_one(tmp_path):
+    from bench.cluster import finish
+
+    doc = {"machine": {}, "load_avg": {}, "configs": {
+        "kvmesh": {"shared_prefix": [_stage(1, 1.0, 1.0, 90, 100), _stage(2, 1.8, 2.0, 95, 100)],
+                   "hot_prefix": [_stage(1, 1.0, 0.5, 100, 100), _stage(2, 2.0, 1.0, 100, 100)]},
+        "affinity": {"shared_prefix": [_stage(1, 1.0, 1.5, 100, 100), _stage(2, 1.6, 4.0, 100, 100)],
+                     "hot_prefix": [_stage(1, 1.0, 1.0, 100, 100), _stage(2, 1.0, 8.0, 100, 100)]}}}
+    finish(doc, tmp_path / "cluster.json")
+    s = json.loads((tmp_path / "cluster.json").read_text())["summary"]
+    assert s["hit_tokens_vs_oracle"] == {"kvmesh": 0.925, "affinity": 1.0, "oracle": 1.0}
+    hot = s["hot_prefix"]
+    assert hot["hit_tokens_vs_oracle"] == {"kvmesh": 1.0, "affinity": 1.0, "oracle": 1.0}
+    # affinity saturates at 1.0 req/s (p99 8 s); kvmesh reaches 2.0 req/s at p99 1 s
+    assert hot["throughput_at_equal_p99_ttft"]["kvmesh_vs_affinity"] == pytest.approx(2.0)
+    assert s["throughput_at_equal_p99_ttft"]["kvmesh_vs_affinity"] != hot["throughput_at_equal_p99_ttft"]["kvmesh_vs_affinity"]
+    assert (tmp_path / "cluster.png").exists()
