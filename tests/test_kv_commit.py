@@ -10,10 +10,13 @@ tensor, above glibc's largest mmap threshold) that its pages are fresh, never re
 
 from __future__ import annotations
 
-import psutil
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-from engine.kv_cache import PagedKVCache
-from engine.llm_engine import EngineConfig, LLMEngine
+import psutil
 
 MIB = 2**20
 
@@ -22,20 +25,39 @@ def rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def test_pool_committed_at_construction(tiny_model):
-    r0 = rss()
-    eng = LLMEngine(EngineConfig(model="tiny-llama", kv_cache_bytes=256 * MIB, approx=None), loaded=tiny_model)
-    grown = rss() - r0
-    c = eng.cache
-    pool = c.num_blocks * PagedKVCache.bytes_per_block(c.num_layers, c.block_size, c.num_kv_heads, c.head_dim, c.dtype)
+# Run in a fresh interpreter: in a long test process, memory freed by earlier tests stays
+# resident in the allocator's arenas and may back the new pool, which hides whether it is committed.
+_POOL_CHECK = """
+import json, psutil
+from engine.kv_cache import PagedKVCache
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.model_loader import load_model
+rss = lambda: psutil.Process().memory_info().rss
+loaded = load_model("tiny-llama")
+r0 = rss()
+eng = LLMEngine(EngineConfig(model="tiny-llama", kv_cache_bytes=256 << 20, approx=None), loaded=loaded)
+grown = rss() - r0
+c = eng.cache
+pool = c.num_blocks * PagedKVCache.bytes_per_block(c.num_layers, c.block_size, c.num_kv_heads, c.head_dim, c.dtype)
+r1 = rss()
+for layer in range(c.num_layers):  # every block written once, as a long run would
+    c.k[layer].fill_(1.0)
+    c.v[layer].fill_(1.0)
+print(json.dumps({"pool": pool, "grown": grown, "written": rss() - r1}))
+"""
+
+
+def test_pool_committed_at_construction():
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", _POOL_CHECK], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    pool, grown = m["pool"], m["grown"]
     assert pool > 200 * MIB
     assert grown >= 0.8 * pool, f"RSS grew {grown / MIB:.0f} MiB for a {pool / MIB:.0f} MiB pool: allocated lazily?"
-    r1 = rss()
-    for layer in range(c.num_layers):  # every block written once, as a long run would
-        c.k[layer].fill_(1.0)
-        c.v[layer].fill_(1.0)
-    assert rss() - r1 < 0.25 * pool
-    del eng, c
+    assert m["written"] < 0.25 * pool
 
 
 def test_weights_resident_after_load():
