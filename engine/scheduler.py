@@ -17,7 +17,7 @@ Fairness (no head-of-line blocking by one long prompt):
 
 Priority (tenant ``priority`` from ``policies.eviction.TenantQuota``; see
 ``policies.prefill_priority``): while a higher priority class contends (has waiting or prefilling
-work now or within ``priority_hold_s``), the lower classes' prefill, running or newly admitted,
+work now or within ``priority_hold_s``, or is configured with ``latency_guard``), the lower classes' prefill, running or newly admitted,
 gets at most ``low_priority_prefill_tokens`` tokens per step **all together** (FIFO among them),
 so a step carrying lower-priority prefill stays short: on a CPU a step's time grows with its
 tokens and a step is not preemptible, so a higher-priority request arriving during one waits it
@@ -100,7 +100,8 @@ class Scheduler:
         self.contention.hold_s = cfg.priority_hold_s
         prio = {id(s): self.priority(s) for s in (*self.running, *self.waiting)}
         prefills = [s for s in self.running if s.num_pending > 1]
-        top = self.contention.observe(self.clock(), [prio[id(s)] for s in (*prefills, *self.waiting)])
+        top = self.contention.observe(self.clock(), [prio[id(s)] for s in (*prefills, *self.waiting)],
+                                      self.kv.pool.eviction.guarded_priorities())
 
         # plan: decodes first, then prefills by priority; lower-priority ones are capped, and their
         # capped chunks are reserved so that higher-priority prefills cannot take the whole budget

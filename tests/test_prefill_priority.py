@@ -74,6 +74,36 @@ def test_contention_rule():
         SchedulerConfig(low_priority_prefill_tokens=0)
 
 
+def test_a_guarded_class_contends_at_all_times():
+    c = PriorityContention(hold_s=2.0)
+    assert c.observe(0.0, [], guarded=[2]) is None  # the guarded class alone: nobody to throttle
+    assert c.observe(0.0, [2], guarded=[2]) is None  # ... even while it has work
+    assert c.observe(100.0, [0], guarded=[2]) == 2  # lo with work, hi idle for ages: still capped
+    assert c.observe(200.0, [1], guarded=[2]) == 2  # (0 dropped after its hold; 1 is below 2 too)
+    assert c.observe(300.0, [0], guarded=[]) is None  # the guard removed (tenants file): the hold rule alone
+
+
+def test_latency_guard_caps_a_lower_class_alone_and_only_it(tiny_model):
+    quotas = {**QUOTAS, "hi": TenantQuota(priority=2, latency_guard=True)}
+    eng, clock, plans = engine(tiny_model, quotas=quotas)
+    eng.add_request(req("lo", 10 * BS, "lo", first=1))
+    outputs(eng)
+    # hi never sent anything: lo's 160-token prompt still goes 32 tokens per step
+    assert [p["lo"] for p in plans if p.get("lo", 0) > 1] == [32] * 5
+    clock.t = 1000.0
+    first = len(plans)
+    eng.add_request(req("hi", 10 * BS, "hi", first=40))
+    outputs(eng)
+    assert plans[first] == {"hi": 128}  # the guarded class alone: whole steps
+    assert eng.scheduler.contention.top() is None
+    # applied without a restart: guard off -> lo alone gets whole steps again (once hi's hold ran out)
+    eng.set_tenant_policies({"hi": TenantQuota(priority=2)})
+    clock.t = 2000.0
+    eng.add_request(req("lo-b", 10 * BS, "lo", first=7))
+    outputs(eng)
+    assert [p["lo-b"] for p in plans if p.get("lo-b", 0) > 1] == [128, 32]
+
+
 def test_one_tenant_alone_keeps_full_chunks(tiny_model):
     eng, clock, plans = engine(tiny_model)
     eng.add_request(req("lo-a", 40 * BS, "lo", first=1))
