@@ -80,6 +80,9 @@ class AppSettings:
     # sleep, at most reject_delay_max_held at once per replica; 0: off): policies/reject_delay.py
     reject_delay_s: float = 1.0
     reject_delay_max_held: int = 256
+    # niceness added to each worker's engine thread (EngineConfig.thread_nice); e.g. -5 gives the
+    # engine CPU precedence over the Serve proxy and ingress on shared cores (needs root)
+    engine_thread_nice: int = 0
 
     def __post_init__(self):
         if self.metrics_auth not in ("none", "admin"):
@@ -123,7 +126,7 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
     engine = EngineConfig(model=s.model, block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
                           max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                           device=device, dtype=s.dtype or ("float32" if device == "cpu" else "bfloat16"),
-                          tenant_quotas=tenants.eviction_quotas(),
+                          tenant_quotas=tenants.eviction_quotas(), thread_nice=s.engine_thread_nice,
                           approx=ApproxConfig(tenant_gates=tenants.quality_gates()))
     return PoolConfig(engine=engine, autoscale=s.autoscale(), shares=tuple(sorted(tenants.worker_shares().items())),
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,

@@ -55,6 +55,10 @@ class EngineConfig:
     tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
     low_priority_prefill_tokens: int = 32  # prefill chunk cap of a tenant below a contending priority
     priority_hold_s: float = 2.0  # a priority class contends this long after its last prefill work
+    # niceness added to the engine thread when AsyncEngine starts it (Linux, that thread and the
+    # threads it starts); < 0 gives the engine CPU precedence over an HTTP front end on the same
+    # cores (needs root / CAP_SYS_NICE: refused -> logged, unchanged). 0: untouched
+    thread_nice: int = 0
     approx: ApproxConfig | None = ApproxConfig()  # None: "approximate" requests run exactly (CPU only)
 
     def __post_init__(self):
