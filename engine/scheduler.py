@@ -24,8 +24,12 @@ tokens and a step is not preemptible, so a higher-priority request arriving duri
 out. Budget goes to decodes first, then to prefills in priority order, then to admissions in
 priority order (FIFO within a class). ``min(pending, low_priority_prefill_tokens)`` of the budget
 stays reserved for the lower classes' prefill ahead of higher-priority prefills, so they progress
-every step (no starvation); what running lower-priority prefills leave of it goes to the first
-lower-priority admission. With one priority class live nothing changes.
+(no starvation); what running lower-priority prefills leave of it goes to the first
+lower-priority admission. A step with higher-priority prefill work carries lower-class prefill
+only if the step before carried none (``alternate_low_prefill``, default on): a higher-priority
+request arriving during a lower-class step then gets a step of its own next, instead of sharing
+it with another lower-class chunk, and the lower classes still progress every other step. With
+one priority class live nothing changes.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class SchedulerConfig:
     max_bypass: int = 16  # admissions that may pass a waiting request that does not fit yet
     low_priority_prefill_tokens: int = 32  # chunk cap of a lower-priority prefill under contention
     priority_hold_s: float = 2.0  # a class contends this long after its last waiting/prefilling work
+    alternate_low_prefill: bool = True  # lower-class prefill skips a step with higher prefill after one of its own
 
     def __post_init__(self):
         if self.low_priority_prefill_tokens < 1:
@@ -71,6 +76,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_bypasses = 0  # admissions of a request past an earlier one that did not fit
         self._bypassed: dict[Sequence, int] = {}  # waiting sequence -> times it was passed over
+        self._low_ran = False  # the last step carried throttled (lower-class) prefill tokens
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -112,6 +118,10 @@ class Scheduler:
                 budget -= n
         # the lower classes' prefill tokens of this step, all together; reserved ahead of higher prefills
         low_left = low if top is not None else 0
+        if low_left and self._low_ran and cfg.alternate_low_prefill and any(
+                not throttled(prio[id(s)], top) for s in (*prefills, *self.waiting)):
+            low_left = 0  # they had the last step: this one is the higher classes' alone
+        low_share = low_left
         low_pending = sum(s.num_pending for s in prefills if throttled(prio[id(s)], top))
         reserved = min(low_left, low_pending)
         for seq in sorted(prefills, key=lambda s: -prio[id(s)]):
@@ -178,6 +188,7 @@ class Scheduler:
             budget -= n
             if low_prio:
                 low_left -= n
+        self._low_ran = low_left < low_share
         return out
 
     def _reserve(self, seq: Sequence, n: int, scheduled: set[int], plan: dict[int, int]) -> bool:

@@ -153,15 +153,43 @@ def test_high_priority_long_prefill_never_starves_low_priority_work(tiny_model):
     # hi admitted first with the budget left after lo-dec's decode; lo admitted capped
     assert plans[-1] == {"lo-dec": 1, "hi": 95, "lo": 32}
     step(eng, toks)
-    # both prefilling, nobody waiting: decode first, lo's capped chunk reserved, hi takes the rest
+    # both prefilling, nobody waiting: lo had the last step, so this one is hi's (after the decode)
+    assert plans[-1] == {"lo-dec": 1, "hi": 127}
+    step(eng, toks)
+    # then decode first, lo's capped chunk reserved, hi takes the rest
     assert plans[-1] == {"lo-dec": 1, "hi": 95, "lo": 32}
     got = outputs(eng, toks)
     hi_prefill = [p for p in plans if p.get("hi", 0) > 1]
-    assert [p["hi"] for p in hi_prefill] == [95] * 5 + [5]  # hi's whole 480-token prompt
-    assert all(p["lo"] == 32 for p in hi_prefill)  # lo progresses in every one of those steps
+    assert [p["hi"] for p in hi_prefill] == [95, 127, 95, 127, 36]  # hi's whole 480-token prompt
+    assert [p.get("lo") for p in hi_prefill] == [32, None, 32, None, 32]  # lo: every other step
     assert [p.get("lo-dec") for p in plans[1:12]] == [1] * 11  # decodes every step
     # a throttled prefill computes the same tokens as an unthrottled one
     assert got["lo"] == want["lo"] and got["lo-dec"] == want["lo-dec"]
+
+
+def test_a_higher_request_arriving_during_a_lower_step_gets_the_next_step_alone(tiny_model):
+    quotas = {**QUOTAS, "hi": TenantQuota(priority=2, latency_guard=True)}
+    eng, clock, plans = engine(tiny_model, quotas=quotas)
+    eng.add_request(req("lo", 20 * BS, "lo", first=1))
+    eng.step()
+    assert plans[-1] == {"lo": 32}  # guarded: capped although hi is idle
+    eng.add_request(req("hi", 40, "hi", first=80))
+    eng.step()
+    assert plans[-1] == {"hi": 40}  # lo had the last step: hi's prefill is not shared
+    eng.step()
+    assert plans[-1] == {"hi": 1, "lo": 32}  # hi decodes (no prefill work): lo's chunk as before
+    outputs(eng)
+
+
+def test_without_alternation_a_lower_chunk_shares_the_higher_step(tiny_model):
+    cfg = EngineConfig(model="tiny-llama", num_blocks=200, max_num_batched_tokens=128, approx=None,
+                       tenant_quotas={**QUOTAS, "hi": TenantQuota(priority=2, latency_guard=True)},
+                       alternate_low_prefill=False)
+    eng = LLMEngine(cfg, tiny_model)
+    eng.add_request(req("lo", 20 * BS, "lo", first=1))
+    assert [n for _, n in eng.scheduler.schedule()] == [32]
+    eng.add_request(req("hi", 40, "hi", first=80))
+    assert sorted((s.request_id, n) for s, n in eng.scheduler.schedule()) == [("hi", 40), ("lo", 32)]
 
 
 def test_lower_classes_share_one_capped_chunk_per_step(tiny_model):
