@@ -267,6 +267,8 @@ def main() -> None:
                     help="app argument reject_delay_s (a 429 of a tenant retrying inside Retry-After is held this long)")
     ap.add_argument("--engine-nice", type=int, default=0,
                     help="app argument engine_thread_nice (e.g. -5: the engine thread before the HTTP front end; root)")
+    ap.add_argument("--low-prefill-tokens", type=int, default=None,
+                    help="app argument low_priority_prefill_tokens (default: the app's, 32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench/results/flood.json"))
     # the flooder process's own arguments (set by start_flooders)
@@ -297,7 +299,9 @@ def main() -> None:
     try:
         serve.run(build_app({"model": args.model, "tenants": str(tmp / "tenants.yaml"),
                              "kv_cache_bytes": args.kv_cache_bytes, "worker_num_cpus": 1,
-                             "reject_delay_s": args.reject_delay_s, "engine_thread_nice": args.engine_nice}),
+                             "reject_delay_s": args.reject_delay_s, "engine_thread_nice": args.engine_nice,
+                             **({"low_priority_prefill_tokens": args.low_prefill_tokens}
+                                if args.low_prefill_tokens is not None else {})}),
                   name="flood", route_prefix="/")
         base = f"http://127.0.0.1:{port}"
         client = httpx.Client(base_url=base, timeout=300)

@@ -83,6 +83,9 @@ class AppSettings:
     # niceness added to each worker's engine thread (EngineConfig.thread_nice); e.g. -5 gives the
     # engine CPU precedence over the Serve proxy and ingress on shared cores (needs root)
     engine_thread_nice: int = 0
+    # lower-priority prefill tokens per step (all together) while a higher class contends or is
+    # guarded (EngineConfig.low_priority_prefill_tokens): bounds the step a higher request waits out
+    low_priority_prefill_tokens: int = 32
 
     def __post_init__(self):
         if self.metrics_auth not in ("none", "admin"):
@@ -127,6 +130,7 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                           max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                           device=device, dtype=s.dtype or ("float32" if device == "cpu" else "bfloat16"),
                           tenant_quotas=tenants.eviction_quotas(), thread_nice=s.engine_thread_nice,
+                          low_priority_prefill_tokens=s.low_priority_prefill_tokens,
                           approx=ApproxConfig(tenant_gates=tenants.quality_gates()))
     return PoolConfig(engine=engine, autoscale=s.autoscale(), shares=tuple(sorted(tenants.worker_shares().items())),
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,
