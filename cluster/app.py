@@ -92,6 +92,8 @@ class AppSettings:
             raise ValueError(f"metrics_auth must be 'none' or 'admin', got {self.metrics_auth!r}")
         if self.reject_delay_s < 0 or self.reject_delay_max_held < 0:
             raise ValueError("reject_delay_s and reject_delay_max_held must be >= 0")
+        if self.low_priority_prefill_tokens < 1:
+            raise ValueError("low_priority_prefill_tokens must be >= 1")
 
     @classmethod
     def from_args(cls, args):

@@ -17,10 +17,10 @@ Fairness (no head-of-line blocking by one long prompt):
 
 Priority (tenant ``priority`` from ``policies.eviction.TenantQuota``; see
 ``policies.prefill_priority``): while a higher priority class contends (has waiting or prefilling
-work now or within ``priority_hold_s``, or is configured with ``latency_guard``), the lower classes' prefill, running or newly admitted,
-gets at most ``low_priority_prefill_tokens`` tokens per step **all together** (FIFO among them),
-so a step carrying lower-priority prefill stays short: on a CPU a step's time grows with its
-tokens and a step is not preemptible, so a higher-priority request arriving during one waits it
+work now or within ``priority_hold_s``, or is configured with ``latency_guard``), the lower
+classes' prefill, running or newly admitted, gets at most ``low_priority_prefill_tokens`` tokens
+per step **all together** (FIFO among them), so a step carrying lower-priority prefill stays
+short: on a CPU a step's time grows with its tokens and a step is not preemptible, so a higher-priority request arriving during one waits it
 out. Budget goes to decodes first, then to prefills in priority order, then to admissions in
 priority order (FIFO within a class). ``min(pending, low_priority_prefill_tokens)`` of the budget
 stays reserved for the lower classes' prefill ahead of higher-priority prefills, so they progress
