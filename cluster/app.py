@@ -42,6 +42,7 @@ from engine.llm_engine import EngineConfig, check_sampling_limits
 from engine.redact import describe_exc, redact
 from engine.sequence import InvalidRequest, Request, SamplingParams
 from policies.autoscale import AutoscaleConfig
+from policies.reject_delay import RejectionDelay
 from policies.tenancy import TenantConfig, Tenants, TenantsError, read_tenants_file, tenants_path
 
 log = logging.getLogger(__name__)
@@ -75,10 +76,24 @@ class AppSettings:
     # "none": /metrics answers anyone who reaches the port; "admin": it needs an admin key
     # (tenants file ``admin_keys``) as a Bearer token
     metrics_auth: str = "none"
+    # a tenant retrying inside its last Retry-After gets its next 429 this much later (an asyncio
+    # sleep, at most reject_delay_max_held at once per replica; 0: off): policies/reject_delay.py
+    reject_delay_s: float = 1.0
+    reject_delay_max_held: int = 256
+    # niceness added to each worker's engine thread (EngineConfig.thread_nice); e.g. -5 gives the
+    # engine CPU precedence over the Serve proxy and ingress on shared cores (needs root)
+    engine_thread_nice: int = 0
+    # lower-priority prefill tokens per step (all together) while a higher class contends or is
+    # guarded (EngineConfig.low_priority_prefill_tokens): bounds the step a higher request waits out
+    low_priority_prefill_tokens: int = 32
 
     def __post_init__(self):
         if self.metrics_auth not in ("none", "admin"):
             raise ValueError(f"metrics_auth must be 'none' or 'admin', got {self.metrics_auth!r}")
+        if self.reject_delay_s < 0 or self.reject_delay_max_held < 0:
+            raise ValueError("reject_delay_s and reject_delay_max_held must be >= 0")
+        if self.low_priority_prefill_tokens < 1:
+            raise ValueError("low_priority_prefill_tokens must be >= 1")
 
     @classmethod
     def from_args(cls, args):
@@ -116,7 +131,8 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
     engine = EngineConfig(model=s.model, block_size=s.block_size, kv_cache_bytes=s.kv_cache_bytes,
                           max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                           device=device, dtype=s.dtype or ("float32" if device == "cpu" else "bfloat16"),
-                          tenant_quotas=tenants.eviction_quotas(),
+                          tenant_quotas=tenants.eviction_quotas(), thread_nice=s.engine_thread_nice,
+                          low_priority_prefill_tokens=s.low_priority_prefill_tokens,
                           approx=ApproxConfig(tenant_gates=tenants.quality_gates()))
     return PoolConfig(engine=engine, autoscale=s.autoscale(), shares=tuple(sorted(tenants.worker_shares().items())),
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,
@@ -432,6 +448,7 @@ class KvmeshIngress:
         self.max_model_len = int(info["max_model_len"])
         self.vocab_size = int(info.get("vocab_size") or _vocab_size(self.tokenizer))
         self.limits = InputLimits.derive(self.max_model_len, self.tokenizer, s.max_body_bytes)
+        self.reject_delay = RejectionDelay(s.reject_delay_s, s.reject_delay_max_held)
 
     async def _open_pool(self, tenants_data: dict):
         """What serves the requests behind this ingress: the app's controller, one per app and
@@ -616,6 +633,23 @@ class KvmeshIngress:
         if not d.ok:
             raise self._rejected(tenant, d.reason, d.retry_after_s)
 
+    async def _hold_refusal(self, tenant: str, err: ApiError) -> None:
+        """Hold a rate/concurrency 429 of a tenant that retried inside its last Retry-After
+        (``policies.reject_delay``): a client ignoring Retry-After then costs the front end one
+        refusal per ``reject_delay_s`` per connection instead of one per round trip."""
+        if err.status != 429 or err.code != "rate_limit_exceeded":
+            return
+        try:
+            retry_after = float(err.headers.get("Retry-After", 0))
+        except ValueError:
+            retry_after = 0.0
+        delay = self.reject_delay.acquire(tenant, time.monotonic(), retry_after)
+        if delay > 0:
+            try:
+                await asyncio.sleep(delay)
+            finally:
+                self.reject_delay.release()
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, "default"):
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
@@ -758,6 +792,7 @@ class KvmeshIngress:
         except Exception as e:  # noqa: BLE001 - counted, and always an OpenAI error body
             err = _as_api_error(e)
             self.metrics.requests.labels(tenant=tenant_name, endpoint=endpoint, code=str(err.status)).inc()
+            await self._hold_refusal(tenant_name, err)
             raise err from None
         t0 = time.perf_counter()
         # admission + routing by the controller, then the worker's stream; all prompts at once
@@ -774,6 +809,7 @@ class KvmeshIngress:
                 raise
             err = _as_api_error(e)
             self.metrics.requests.labels(tenant=tenant.name, endpoint=endpoint, code=str(err.status)).inc()
+            await self._hold_refusal(tenant.name, err)
             raise err from None
         self.metrics.ttft.labels(tenant=tenant.name).observe(time.perf_counter() - t0)
         leases = [(ws.worker_id, choice.route) for ws, choice, _ in firsts]

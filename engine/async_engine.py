@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from typing import AsyncIterator, Callable
@@ -78,8 +79,20 @@ class AsyncEngine:
         self._commands.put((lambda: None, lambda _e: None))  # wake an idle loop
 
     # -- engine thread ---------------------------------------------------------------------
+    def _apply_nice(self) -> None:
+        """Add ``config.thread_nice`` to this (the engine) thread's niceness; a refusal is logged."""
+        n = self.engine.config.thread_nice
+        if not n:
+            return
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + n)
+        except (OSError, AttributeError) as e:  # no permission for < 0 (not root), or not Linux
+            log.warning("engine thread niceness %+d not applied: %s", n, e)
+
     def _loop(self) -> None:
         failures = 0
+        self._apply_nice()
         try:
             while not self._stop:
                 if self._kill is not None:

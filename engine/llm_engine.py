@@ -55,6 +55,11 @@ class EngineConfig:
     tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
     low_priority_prefill_tokens: int = 32  # prefill chunk cap of a tenant below a contending priority
     priority_hold_s: float = 2.0  # a priority class contends this long after its last prefill work
+    alternate_low_prefill: bool = True  # see engine/scheduler.py: a higher-priority step after a lower one is alone
+    # niceness added to the engine thread when AsyncEngine starts it (Linux, that thread and the
+    # threads it starts); < 0 gives the engine CPU precedence over an HTTP front end on the same
+    # cores (needs root / CAP_SYS_NICE: refused -> logged, unchanged). 0: untouched
+    thread_nice: int = 0
     approx: ApproxConfig | None = ApproxConfig()  # None: "approximate" requests run exactly (CPU only)
 
     def __post_init__(self):
@@ -96,7 +101,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens,
             low_priority_prefill_tokens=config.low_priority_prefill_tokens,
-            priority_hold_s=config.priority_hold_s), self.kv)
+            priority_hold_s=config.priority_hold_s, alternate_low_prefill=config.alternate_low_prefill), self.kv)
         self.runner = ModelRunner(self.loaded.model, self.cache, config.attention)
         self.eos_ids = self._eos_ids()
         self.seqs: dict[str, Sequence] = {}

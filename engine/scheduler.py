@@ -17,15 +17,19 @@ Fairness (no head-of-line blocking by one long prompt):
 
 Priority (tenant ``priority`` from ``policies.eviction.TenantQuota``; see
 ``policies.prefill_priority``): while a higher priority class contends (has waiting or prefilling
-work now or within ``priority_hold_s``), the lower classes' prefill, running or newly admitted,
-gets at most ``low_priority_prefill_tokens`` tokens per step **all together** (FIFO among them),
-so a step carrying lower-priority prefill stays short: on a CPU a step's time grows with its
-tokens and a step is not preemptible, so a higher-priority request arriving during one waits it
+work now or within ``priority_hold_s``, or is configured with ``latency_guard``), the lower
+classes' prefill, running or newly admitted, gets at most ``low_priority_prefill_tokens`` tokens
+per step **all together** (FIFO among them), so a step carrying lower-priority prefill stays
+short: on a CPU a step's time grows with its tokens and a step is not preemptible, so a higher-priority request arriving during one waits it
 out. Budget goes to decodes first, then to prefills in priority order, then to admissions in
 priority order (FIFO within a class). ``min(pending, low_priority_prefill_tokens)`` of the budget
 stays reserved for the lower classes' prefill ahead of higher-priority prefills, so they progress
-every step (no starvation); what running lower-priority prefills leave of it goes to the first
-lower-priority admission. With one priority class live nothing changes.
+(no starvation); what running lower-priority prefills leave of it goes to the first
+lower-priority admission. A step with higher-priority prefill work carries lower-class prefill
+only if the step before carried none (``alternate_low_prefill``, default on): a higher-priority
+request arriving during a lower-class step then gets a step of its own next, instead of sharing
+it with another lower-class chunk, and the lower classes still progress every other step. With
+one priority class live nothing changes.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class SchedulerConfig:
     max_bypass: int = 16  # admissions that may pass a waiting request that does not fit yet
     low_priority_prefill_tokens: int = 32  # chunk cap of a lower-priority prefill under contention
     priority_hold_s: float = 2.0  # a class contends this long after its last waiting/prefilling work
+    alternate_low_prefill: bool = True  # lower-class prefill skips a step with higher prefill after one of its own
 
     def __post_init__(self):
         if self.low_priority_prefill_tokens < 1:
@@ -71,6 +76,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_bypasses = 0  # admissions of a request past an earlier one that did not fit
         self._bypassed: dict[Sequence, int] = {}  # waiting sequence -> times it was passed over
+        self._low_ran = False  # the last step carried throttled (lower-class) prefill tokens
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -100,7 +106,8 @@ class Scheduler:
         self.contention.hold_s = cfg.priority_hold_s
         prio = {id(s): self.priority(s) for s in (*self.running, *self.waiting)}
         prefills = [s for s in self.running if s.num_pending > 1]
-        top = self.contention.observe(self.clock(), [prio[id(s)] for s in (*prefills, *self.waiting)])
+        top = self.contention.observe(self.clock(), [prio[id(s)] for s in (*prefills, *self.waiting)],
+                                      self.kv.pool.eviction.guarded_priorities())
 
         # plan: decodes first, then prefills by priority; lower-priority ones are capped, and their
         # capped chunks are reserved so that higher-priority prefills cannot take the whole budget
@@ -111,6 +118,10 @@ class Scheduler:
                 budget -= n
         # the lower classes' prefill tokens of this step, all together; reserved ahead of higher prefills
         low_left = low if top is not None else 0
+        if low_left and self._low_ran and cfg.alternate_low_prefill and any(
+                not throttled(prio[id(s)], top) for s in (*prefills, *self.waiting)):
+            low_left = 0  # they had the last step: this one is the higher classes' alone
+        low_share = low_left
         low_pending = sum(s.num_pending for s in prefills if throttled(prio[id(s)], top))
         reserved = min(low_left, low_pending)
         for seq in sorted(prefills, key=lambda s: -prio[id(s)]):
@@ -177,6 +188,7 @@ class Scheduler:
             budget -= n
             if low_prio:
                 low_left -= n
+        self._low_ran = low_left < low_share
         return out
 
     def _reserve(self, seq: Sequence, n: int, scheduled: set[int], plan: dict[int, int]) -> bool:

@@ -41,6 +41,9 @@ class TenantQuota:
     min_blocks: int = 0  # guaranteed: never evicted for another tenant while held <= min
     max_blocks: int | None = None  # cap on cached blocks; None = unlimited
     ttl_s: float | None = None  # evictable blocks older than this are dropped first
+    # scheduling, not caching (it travels with the quotas to the engines): lower priority classes'
+    # prefill is capped at all times, as if this tenant always contended (engine/scheduler.py)
+    latency_guard: bool = False
 
     def __post_init__(self):
         if self.min_blocks < 0:
@@ -71,6 +74,10 @@ class TenantEvictionPolicy:
 
     def set_quota(self, tenant: TenantId, quota: TenantQuota) -> None:
         self._quotas[tenant] = quota
+
+    def guarded_priorities(self) -> frozenset[int]:
+        """Priority classes of the configured tenants with ``latency_guard`` (they always contend)."""
+        return frozenset(q.priority for q in self._quotas.values() if q.latency_guard)
 
     # -- notifications from the pool -------------------------------------------------------
     def on_cached(self, block: BlockId, tenant: TenantId) -> None:

@@ -7,11 +7,19 @@ contends. A priority class *contends* while it has waiting or prefilling work, a
 ``hold_s`` seconds after (so that a higher-priority tenant sending requests one after another
 does not find each new request waiting out a long low-priority step begun in the gap).
 
+A hold alone leaves a gap: a higher-priority tenant idle for longer than ``hold_s`` meets, on
+its return, an uncapped lower-priority step already running (on a CPU, ~1-3 s for a few hundred
+tokens; ``bench/flood.py`` measured it as the victim's p99). A *guarded* class (a tenant with
+``latency_guard``) therefore contends at all times: the classes below it are capped whenever
+they have prefill work, whether or not the guarded tenant is active, at a throughput cost to
+them that ``bench/flood.py`` reports.
+
 Invariants:
-  * ``top()`` is the highest priority seen within ``hold_s`` of now, or None when fewer than two
-    priority classes are live (one class alone is never throttled: no throughput loss without
-    contention);
-  * a class is live only if observed within ``hold_s`` (stale entries are dropped).
+  * ``top()`` is the highest live priority, or None when fewer than two priority classes are
+    live (one class alone is never throttled: no throughput loss without contention);
+  * a class is live if observed within ``hold_s`` (stale entries are dropped) or if it is guarded
+    (the ``guarded`` of the last ``observe``), so a class below a guarded one with prefill work
+    is always throttled, and a guarded class alone is not.
 """
 
 from __future__ import annotations
@@ -25,9 +33,12 @@ class PriorityContention:
             raise ValueError("hold_s must be >= 0")
         self.hold_s = hold_s
         self._seen: dict[int, float] = {}  # priority -> last time it had waiting/prefilling work
+        self._guarded: frozenset[int] = frozenset()
 
-    def observe(self, now: float, priorities: Iterable[int]) -> int | None:
-        """Record the priorities with waiting or prefilling work at ``now``; return ``top()``."""
+    def observe(self, now: float, priorities: Iterable[int], guarded: Iterable[int] = ()) -> int | None:
+        """Record the priorities with waiting or prefilling work at ``now`` and the guarded ones
+        (configured tenants with ``latency_guard``); return ``top()``."""
+        self._guarded = frozenset(guarded)
         for p in priorities:
             self._seen[p] = now
         for p in [p for p, t in self._seen.items() if now - t > self.hold_s]:
@@ -36,7 +47,8 @@ class PriorityContention:
 
     def top(self) -> int | None:
         """The priority above which nobody is throttled; None when nobody is (one class live)."""
-        return max(self._seen) if len(self._seen) > 1 else None
+        live = self._seen.keys() | self._guarded
+        return max(live) if len(live) > 1 else None
 
 
 def throttled(priority: int, top: int | None) -> bool:

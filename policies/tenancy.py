@@ -12,6 +12,7 @@ The tenants file (YAML; only ``name`` and ``api_keys`` are required)::
         share_with: [globex]      # grant: these tenants may reuse acme's KV (default: none)
         reuse: exact              # default reuse mode: approximate | exact | none
         priority: 1               # eviction priority class: higher is evicted last
+        latency_guard: false      # true: lower classes' prefill chunks are capped at all times
         cache: {min_blocks: 0, max_blocks: null, ttl_s: null}     # see policies.eviction
         limits: {requests_per_s: 20, burst: 40, max_concurrent: 16}  # null = unlimited
         workers: {min: 1, max: 4}  # autoscaling: guaranteed workers and cap (policies.autoscale)
@@ -110,8 +111,8 @@ class TenantConfig:
     quality_gate: GateConfig | None = GateConfig()
 
 
-_TENANT_FIELDS = {"name", "api_keys", "share_with", "reuse", "priority", "cache", "limits", "workers",
-                  "templates", "remap"}
+_TENANT_FIELDS = {"name", "api_keys", "share_with", "reuse", "priority", "latency_guard", "cache", "limits",
+                  "workers", "templates", "remap"}
 
 
 # remap: keys of the quality gate -> GateConfig fields
@@ -189,8 +190,14 @@ def _parse_tenant(d: object, defaults: Mapping) -> TenantConfig:
     priority = d.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise TenantsError(f"{where}: priority must be an integer")
+    guard = d.get("latency_guard", False)
+    if not isinstance(guard, bool):
+        raise TenantsError(f"{where}: latency_guard must be true or false")
+    cache_d = d.get("cache") or {}
+    if isinstance(cache_d, dict) and {"priority", "latency_guard"} & set(cache_d):
+        raise TenantsError(f"{where}: priority and latency_guard are tenant fields, not cache fields")
     try:
-        cache = TenantQuota(priority=priority, **(d.get("cache") or {}))
+        cache = TenantQuota(priority=priority, latency_guard=guard, **cache_d)
         limits = RateLimit(**(d.get("limits") or {}))
         w = d.get("workers") or {}
         if not isinstance(w, dict) or set(w) - {"min", "max"}:

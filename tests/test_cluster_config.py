@@ -31,6 +31,20 @@ def test_unknown_app_args_are_rejected():
         AppSettings.from_args({"modle": "default"})
 
 
+@pytest.mark.parametrize("args, words", [({"reject_delay_s": -1}, "reject_delay"),
+                                         ({"reject_delay_max_held": -1}, "reject_delay"),
+                                         ({"low_priority_prefill_tokens": 0}, "low_priority_prefill_tokens")])
+def test_flood_knobs_are_checked_when_the_app_is_built(args, words):
+    from cluster.app import AppSettings, pool_config
+    from policies.tenancy import Tenants
+
+    with pytest.raises(ValueError, match=words):
+        AppSettings.from_args(args)
+    s = AppSettings.from_args({"low_priority_prefill_tokens": 16, "engine_thread_nice": 2})
+    e = pool_config(s, Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})).engine
+    assert (e.low_priority_prefill_tokens, e.thread_nice) == (16, 2)  # they reach the workers' engines
+
+
 @pytest.mark.parametrize("name", ["ray-up-local.yaml", "ray-up-aws-gpu.yaml"])
 def test_ray_up_configs_validate(name):
     from ray.autoscaler._private.util import fillout_defaults, validate_config

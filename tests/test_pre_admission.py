@@ -342,6 +342,24 @@ async def test_counts_return_to_zero_after_errors(served):
     assert await pool_idle(engine)
 
 
+async def test_an_early_retry_gets_the_same_429_held_and_the_first_one_at_once(served):
+    from policies.reject_delay import RejectionDelay
+
+    client, ing, engine = served
+    ing.reject_delay = RejectionDelay(max_delay_s=0.05, max_held=8)  # the default holds 1 s
+    assert (await _post(client, "sk-slow", _good())).status_code == 200
+    first = await _post(client, "sk-slow", _good())
+    assert first.status_code == 429 and ing.reject_delay.num_delayed == 0  # first refusal: sent at once
+    again = await _post(client, "sk-slow", _good())  # inside its Retry-After: held, then the same refusal
+    assert again.status_code == 429 and ing.reject_delay.num_delayed == 1 and ing.reject_delay.held == 0
+    assert again.json() == first.json() and int(again.headers["Retry-After"]) >= 1
+    assert (await _post(client, "sk-acme", _good())).status_code == 200  # another tenant: not held
+    assert ing.reject_delay.num_delayed == 1 and _rejected(ing, "slow", "rate") == 2
+    from tests.ingress_harness import pool_idle
+
+    assert await pool_idle(engine)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _leave_no_ray_behind():
     """The fake-handle client tests reach ``ray.cancel`` in ``stream_outputs``' clean-up, which

@@ -74,6 +74,36 @@ def test_contention_rule():
         SchedulerConfig(low_priority_prefill_tokens=0)
 
 
+def test_a_guarded_class_contends_at_all_times():
+    c = PriorityContention(hold_s=2.0)
+    assert c.observe(0.0, [], guarded=[2]) is None  # the guarded class alone: nobody to throttle
+    assert c.observe(0.0, [2], guarded=[2]) is None  # ... even while it has work
+    assert c.observe(100.0, [0], guarded=[2]) == 2  # lo with work, hi idle for ages: still capped
+    assert c.observe(200.0, [1], guarded=[2]) == 2  # (0 dropped after its hold; 1 is below 2 too)
+    assert c.observe(300.0, [0], guarded=[]) is None  # the guard removed (tenants file): the hold rule alone
+
+
+def test_latency_guard_caps_a_lower_class_alone_and_only_it(tiny_model):
+    quotas = {**QUOTAS, "hi": TenantQuota(priority=2, latency_guard=True)}
+    eng, clock, plans = engine(tiny_model, quotas=quotas)
+    eng.add_request(req("lo", 10 * BS, "lo", first=1))
+    outputs(eng)
+    # hi never sent anything: lo's 160-token prompt still goes 32 tokens per step
+    assert [p["lo"] for p in plans if p.get("lo", 0) > 1] == [32] * 5
+    clock.t = 1000.0
+    first = len(plans)
+    eng.add_request(req("hi", 10 * BS, "hi", first=40))
+    outputs(eng)
+    assert plans[first] == {"hi": 128}  # the guarded class alone: whole steps
+    assert eng.scheduler.contention.top() is None
+    # applied without a restart: guard off -> lo alone gets whole steps again (once hi's hold ran out)
+    eng.set_tenant_policies({"hi": TenantQuota(priority=2)})
+    clock.t = 2000.0
+    eng.add_request(req("lo-b", 10 * BS, "lo", first=7))
+    outputs(eng)
+    assert [p["lo-b"] for p in plans if p.get("lo-b", 0) > 1] == [128, 32]
+
+
 def test_one_tenant_alone_keeps_full_chunks(tiny_model):
     eng, clock, plans = engine(tiny_model)
     eng.add_request(req("lo-a", 40 * BS, "lo", first=1))
@@ -123,15 +153,43 @@ def test_high_priority_long_prefill_never_starves_low_priority_work(tiny_model):
     # hi admitted first with the budget left after lo-dec's decode; lo admitted capped
     assert plans[-1] == {"lo-dec": 1, "hi": 95, "lo": 32}
     step(eng, toks)
-    # both prefilling, nobody waiting: decode first, lo's capped chunk reserved, hi takes the rest
+    # both prefilling, nobody waiting: lo had the last step, so this one is hi's (after the decode)
+    assert plans[-1] == {"lo-dec": 1, "hi": 127}
+    step(eng, toks)
+    # then decode first, lo's capped chunk reserved, hi takes the rest
     assert plans[-1] == {"lo-dec": 1, "hi": 95, "lo": 32}
     got = outputs(eng, toks)
     hi_prefill = [p for p in plans if p.get("hi", 0) > 1]
-    assert [p["hi"] for p in hi_prefill] == [95] * 5 + [5]  # hi's whole 480-token prompt
-    assert all(p["lo"] == 32 for p in hi_prefill)  # lo progresses in every one of those steps
+    assert [p["hi"] for p in hi_prefill] == [95, 127, 95, 127, 36]  # hi's whole 480-token prompt
+    assert [p.get("lo") for p in hi_prefill] == [32, None, 32, None, 32]  # lo: every other step
     assert [p.get("lo-dec") for p in plans[1:12]] == [1] * 11  # decodes every step
     # a throttled prefill computes the same tokens as an unthrottled one
     assert got["lo"] == want["lo"] and got["lo-dec"] == want["lo-dec"]
+
+
+def test_a_higher_request_arriving_during_a_lower_step_gets_the_next_step_alone(tiny_model):
+    quotas = {**QUOTAS, "hi": TenantQuota(priority=2, latency_guard=True)}
+    eng, clock, plans = engine(tiny_model, quotas=quotas)
+    eng.add_request(req("lo", 20 * BS, "lo", first=1))
+    eng.step()
+    assert plans[-1] == {"lo": 32}  # guarded: capped although hi is idle
+    eng.add_request(req("hi", 40, "hi", first=80))
+    eng.step()
+    assert plans[-1] == {"hi": 40}  # lo had the last step: hi's prefill is not shared
+    eng.step()
+    assert plans[-1] == {"hi": 1, "lo": 32}  # hi decodes (no prefill work): lo's chunk as before
+    outputs(eng)
+
+
+def test_without_alternation_a_lower_chunk_shares_the_higher_step(tiny_model):
+    cfg = EngineConfig(model="tiny-llama", num_blocks=200, max_num_batched_tokens=128, approx=None,
+                       tenant_quotas={**QUOTAS, "hi": TenantQuota(priority=2, latency_guard=True)},
+                       alternate_low_prefill=False)
+    eng = LLMEngine(cfg, tiny_model)
+    eng.add_request(req("lo", 20 * BS, "lo", first=1))
+    assert [n for _, n in eng.scheduler.schedule()] == [32]
+    eng.add_request(req("hi", 40, "hi", first=80))
+    assert sorted((s.request_id, n) for s, n in eng.scheduler.schedule()) == [("hi", 40), ("lo", 32)]
 
 
 def test_lower_classes_share_one_capped_chunk_per_step(tiny_model):

@@ -59,6 +59,9 @@ def test_optional_fields_parse_into_policy_objects():
     assert a.limits.capacity == 3
     b = tenants({"name": "b", "api_keys": ["b"]}, defaults={"reuse": "approximate"})["b"]
     assert b.reuse == "approximate"
+    assert not t.eviction_quotas()["acme"].latency_guard
+    g = tenants({"name": "g", "api_keys": ["g"], "priority": 3, "latency_guard": True}).eviction_quotas()["g"]
+    assert g == TenantQuota(priority=3, latency_guard=True)
 
 
 @pytest.mark.parametrize("data, words", [
@@ -74,6 +77,9 @@ def test_optional_fields_parse_into_policy_objects():
     ({"tenants": [{"name": "a", "api_keys": ["k"], "cache": {"min_blocks": -1}}]}, "min_blocks"),
     ({"tenants": [{"name": "a", "api_keys": ["k"], "workers": {"min": 2, "max": 1}}]}, "workers.max"),
     ({"users": []}, "tenants"),
+    ({"tenants": [{"name": "a", "api_keys": ["k"], "latency_guard": "yes"}]}, "latency_guard"),
+    ({"tenants": [{"name": "a", "api_keys": ["k"], "cache": {"latency_guard": True}}]}, "tenant fields"),
+    ({"tenants": [{"name": "a", "api_keys": ["k"], "cache": {"priority": 1}}]}, "tenant fields"),
 ])
 def test_malformed_files_are_rejected_with_a_clear_message(data, words):
     with pytest.raises(TenantsError, match=words):

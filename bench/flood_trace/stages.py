@@ -66,6 +66,10 @@ for sent, ttft in samples:
         "to_rep_first": (d["ingress_first"]["t"] - d["worker_first"]["t"]) * 1e3,
         "to_client": (sent + ttft / 1e3 - d["ingress_first"]["t"]) * 1e3,
     }
+    # aggregates: the HTTP/control path before the engine, and the first output's way back
+    row["path_in"] = sum(row[k] for k in ("proxy_in", "body", "parse", "build", "to_ctrl", "ctrl", "ctrl_to_rep",
+                                          "to_worker"))
+    row["path_out"] = row["to_worker_first"] + row["to_rep_first"] + row["to_client"]
     rows.append(row)
 keys = list(rows[0]) if rows else []
 print(f"{phase}: {len(rows)} of {len(samples)} victim requests joined")
