@@ -210,9 +210,9 @@ def main(argv=None) -> dict:
 
     import yaml
 
-    from bench.workloads import TINY_VOCAB
+    from bench.workloads import TINY_VOCAB, Vocab, shared_prefix
 
-    logging.getLogger("httpx").setLevel(logging.WARNING), Vocab, shared_prefix
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     vocab = TINY_VOCAB if a.model == "tiny-llama" else Vocab()
     items = shared_prefix(a.groups, a.users, a.system_len, a.question_len, a.output_len, rate_per_s=a.rate, seed=7,
