@@ -15,7 +15,9 @@ Per window: CPU seconds per second of every process in the cluster's process tre
 (worker / engine replica, ingress, Serve proxy and controller, kvmesh controller, index, router,
 the affinity router's ``prefix_tree`` actor, ``ray_system`` = gcs, raylet, agents, dashboard; ``ray_idle`` = Ray's pooled idle workers; the
 driver running the load is not counted), per request under load, and the Ray tasks (actor calls)
-executed per second by method, from Ray's task events (``ray.util.state.summarize_tasks``).
+executed per second by method, from Ray's task events (``ray.util.state.summarize_tasks``;
+Serve's own request path runs with task events off, so it is not counted), and a py-spy profile
+of one worker process during the load (``--profile-s``; where its Python time goes).
 
     flock /work/logs/bench.lock nice -n 5 .venv/bin/python bench/idle_cpu.py     # ~6 min here
 Writes bench/results/idle_cpu.json (``--out``). Loopback only; stops by itself.
@@ -114,6 +116,49 @@ def window(measure_s: float | None, fn=None) -> dict:
             "calls_per_s_total": round(sum(calls.values()) / wall, 2), "result": res}
 
 
+PY_SPY = Path(sys.executable).with_name("py-spy")
+
+
+def start_profile(pid: int, seconds: float, path: Path):
+    """``py-spy record`` of ``pid`` (non-blocking sampling, raw collapsed stacks) in the background."""
+    import subprocess
+
+    if not PY_SPY.exists():
+        return None
+    return subprocess.Popen([str(PY_SPY), "record", "--nonblocking", "--format", "raw", "-r", "50", "-d",
+                             str(int(seconds)), "-p", str(pid), "-o", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def summarize_profile(path: Path, top: int = 25) -> dict:
+    """Samples by leaf frame (self) and by frame anywhere on the stack (inclusive), in % of the
+    non-idle samples of the profiled process (all threads)."""
+    self_c: dict[str, int] = {}
+    incl: dict[str, int] = {}
+    total = 0
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        n = int(n)
+        frames = [f.split(" (")[0] + " " + f.split("/")[-1].rstrip(")") if " (" in f else f for f in stack.split(";")[1:]]
+        if not frames:
+            continue
+        total += n
+        self_c[frames[-1]] = self_c.get(frames[-1], 0) + n
+        for f in set(frames):
+            incl[f] = incl.get(f, 0) + n
+
+    def pct(d):
+        return {k: round(100 * v / total, 1) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]}
+
+    return {"samples": total, "self_pct": pct(self_c), "inclusive_pct": pct(incl)}
+
+
 def app_for(config: str, args: dict):
     if config == "kvmesh":
         from cluster.app import build_app
@@ -162,7 +207,19 @@ def run_config(config: str, a, tenants_file: str, items) -> dict:
                     "ttft_p50_s": loadgen.percentile([r.ttft_s for r in rs if r.ttft_s is not None], 50),
                     "routes": {k: sum(r.route == k for r in rs) for k in {r.route for r in rs}}}
 
+        prof = None
+        if a.profile_s > 0:
+            workers = sorted(pid for pid, (role, _) in cpu_snapshot().items() if role == "worker")
+            if workers:
+                ppath = Path(tempfile.mkdtemp(prefix="ic-prof-")) / f"{config}.txt"
+                prof = (start_profile(workers[0], a.profile_s, ppath), ppath)
         out["load"] = w = window(None, drive)
+        if prof is not None and prof[0] is not None:
+            try:
+                prof[0].wait(timeout=a.profile_s + 30)
+            except Exception:  # noqa: BLE001 - a stuck profiler: kill it, keep what it wrote
+                prof[0].kill()
+            out["load"]["worker_profile"] = summarize_profile(prof[1])
         ok = max(1, w["result"]["ok"])
         w["cpu_s_per_request"] = {k: round(v / ok, 4) for k, v in w["cpu_s"].items()}
         w["cpu_s_per_request_total"] = round(sum(w["cpu_s"].values()) / ok, 4)
@@ -203,6 +260,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--question-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--profile-s", type=float, default=30.0,
+                    help="py-spy one worker process for this long at the start of the load window (0: off)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "idle_cpu.json"))
     a = ap.parse_args(argv)
 
