@@ -46,8 +46,10 @@ log = logging.getLogger(__name__)
 # placement without holdings, whose misses cost a full prefill); a miss costs far more than this.
 ROUTE_TIMEOUT_S = 0.2
 # Reports to the router actor (loads, decisions, outcomes, prefills) wait at most this long for
-# the next ranking to carry them (``actors.router.RouterClient``); most ride on it at once.
-ROUTER_FLUSH_S = 1.0
+# the next ranking to carry them (``actors.router.RouterClient``). What a ranking needs always
+# rides on that ranking, so the timer only bounds how stale the router's metrics (TTFT error)
+# get when no request comes; at 1 s most requests' outcomes still cost a flush of their own.
+ROUTER_FLUSH_S = 5.0
 
 
 class CostAwareRouter:
