@@ -5,9 +5,14 @@ actor has a new epoch and knows no worker, so every worker's next batch (a heart
 latest, see ``IndexPublisher``) is refused and the worker resends a full snapshot: the index
 rebuilds from the workers' snapshots within about one heartbeat.
 
-Dead workers: a snapshot batch carries the worker's actor handle; a liveness loop pings each
-handle and drops every entry of a worker whose actor died, and drops workers that have not
-published for ``stale_s`` seconds (covers workers without a handle, e.g. in tests).
+Dead workers: a snapshot batch carries the worker's actor handle; the index keeps one call
+pending on it (``Worker.until_exit``, which never returns), and Ray fails that call with
+``ActorDiedError`` as soon as the worker dies: the index then drops every entry of the worker.
+Event-driven, so an idle cluster costs no liveness traffic (it used to ping every worker every
+``liveness_s``). Handles without ``until_exit`` (not a kvmesh worker) are still pinged every
+``liveness_s``. A liveness loop (local, no calls) also drops workers that have not published for
+``stale_s`` seconds (covers workers without a handle, e.g. in tests). Workers hold the same kind
+of watch on the index (``until_exit`` here) to notice a restarted index at once.
 
 Template slots (approximate-reuse donors) travel in the same batches (see
 ``actors.index_publisher``) and follow the same rules: applied only with an accepted batch,
@@ -50,6 +55,7 @@ class IndexActor:
         self.started_at = time.time()
         self.liveness_s, self.stale_s, self.ping_timeout_s = liveness_s, stale_s, ping_timeout_s
         self.handles: dict[str, object] = {}
+        self._watches: dict[str, tuple[object, asyncio.Task]] = {}  # worker -> (actor id, its death watch)
         self.counters = {"batches": 0, "refused": 0, "malformed": 0, "lookups": 0, "dropped_workers": 0}
         # isolation audit: prompt tokens found per (reader tenant, policies.tenancy.read_label)
         self.reads: dict[tuple[str, str], int] = {}
@@ -77,6 +83,7 @@ class IndexActor:
             self._apply_slots(batch.worker_id, slots)
         if handle is not None and ok:
             self.handles[batch.worker_id] = handle
+            self._watch(batch.worker_id, handle)
         self.counters["batches" if ok else "refused"] += 1
         return {"ok": ok, "epoch": self.epoch}
 
@@ -91,8 +98,51 @@ class IndexActor:
 
     async def remove_worker(self, worker_id: str) -> int:
         self.handles.pop(worker_id, None)
+        w = self._watches.pop(worker_id, None)
+        if w is not None and w[1] is not asyncio.current_task():
+            w[1].cancel()
         self.slots.remove_worker(worker_id)
         return self.index.remove_worker(worker_id)
+
+    async def until_exit(self) -> None:
+        """Never returns: a worker keeps one such call pending as its death watch on the index
+        (it fails when the index dies or restarts; the worker then resends its snapshot)."""
+        await asyncio.get_running_loop().create_future()
+
+    def _watch(self, worker_id: str, handle) -> None:
+        """Keep one ``until_exit`` call pending on the worker's actor (one watch per actor)."""
+        key = getattr(handle, "_actor_id", None) or id(handle)
+        cur = self._watches.get(worker_id)
+        if cur is not None and cur[0] == key and not cur[1].done():
+            return
+        if cur is not None:
+            cur[1].cancel()
+        task = asyncio.get_running_loop().create_task(self._watch_worker(worker_id, handle, key))
+        self._watches[worker_id] = (key, task)
+
+    async def _watch_worker(self, worker_id: str, handle, key) -> None:
+        """Drop ``worker_id`` when its actor dies. Other failures (unreachable for a while, a
+        handle without ``until_exit``) leave it to the liveness loop's pings and retry later."""
+        while self._watches.get(worker_id, (None,))[0] == key:
+            try:
+                await _ref(handle.until_exit.remote())
+            except ActorDiedError:
+                if self._watches.get(worker_id, (None,))[0] == key:
+                    n = await self.remove_worker(worker_id)
+                    self.counters["dropped_workers"] += 1
+                    log.info("index dropped dead worker %s (%d blocks)", worker_id, n)
+                return
+            except asyncio.CancelledError:
+                raise
+            except AttributeError:  # not a kvmesh worker: the liveness loop pings it
+                return
+            except Exception as e:  # noqa: BLE001 - unreachable, restarting: try again later
+                log.debug("death watch of %s: %s", worker_id, type(e).__name__)
+            await asyncio.sleep(self.liveness_s)
+
+    def _watched(self, worker_id: str) -> bool:
+        w = self._watches.get(worker_id)
+        return w is not None and not w[1].done()
 
     async def _liveness_loop(self) -> None:
         while True:
@@ -104,7 +154,7 @@ class IndexActor:
 
     async def _check_liveness(self) -> None:
         dead = set(self.index.stale_workers(self.stale_s))
-        items = list(self.handles.items())
+        items = [(w, h) for w, h in self.handles.items() if not self._watched(w)]  # the rest have a death watch
         results = await asyncio.gather(
             *(asyncio.wait_for(_ref(h.__ray_ready__.remote()), self.ping_timeout_s) for _, h in items),
             return_exceptions=True)

@@ -17,8 +17,15 @@ snapshot, so a restarted index or a lost batch re-registers the worker's slots t
 One actor call per flush interval (not per block or request). A batch the index cannot place in
 sequence (index restarted, a call was lost) makes the next flush send a snapshot instead of
 events: the snapshot and the event drain happen in one engine-thread call, so events after it
-apply on top of it exactly. With nothing to send a heartbeat (empty batch) goes out every
-``heartbeat_s``, which is how a restarted index learns it must ask for snapshots.
+apply on top of it exactly. With nothing to send a heartbeat (empty batch) goes out after
+``heartbeat_s``, backing off to ``max_heartbeat_s`` while the worker stays idle
+(``policies.backoff``); any event brings it back. An idle worker costs the index one call per
+``max_heartbeat_s`` (it used to be one per second).
+
+A restarted index is noticed by the death watch (``watch``: an awaitable call on the index that
+never returns; its failure means the index actor died or restarted), which makes the next flush
+a snapshot at once; the heartbeat is only the safety net (a lost watch, a publisher without
+one), and keeps the worker fresh against the index's ``stale_s``.
 No Ray import: the publisher gets plain async callables (see ``actors.worker``).
 """
 
@@ -35,6 +42,7 @@ import msgpack
 from actors.prefix_index import REMOVED, STORED, Batch
 from actors.slot_registry import SlotKey
 from engine.block_pool import BlockEvent
+from policies.backoff import Backoff
 
 log = logging.getLogger(__name__)
 WIRE_VERSION = 1
@@ -220,16 +228,21 @@ class IndexPublisher:
     """
 
     def __init__(self, worker_id: str, block_size: int, drain: Drain, send: Send,
-                 interval_s: float = 0.1, heartbeat_s: float = 1.0, timeout_s: float = 5.0):
+                 interval_s: float = 0.1, heartbeat_s: float = 1.0, timeout_s: float = 5.0,
+                 max_heartbeat_s: float | None = None, watch: Callable[[], Awaitable[object]] | None = None):
         self.worker_id, self.block_size = worker_id, block_size
         self.drain, self.send = drain, send
         self.interval_s, self.heartbeat_s, self.timeout_s = interval_s, heartbeat_s, timeout_s
+        self.beat = Backoff(heartbeat_s, max(heartbeat_s, max_heartbeat_s or heartbeat_s))
+        self.heartbeat_due_s = heartbeat_s  # current wait before a heartbeat (backs off while idle)
+        self.watch = watch  # awaitable call on the index that only ever fails (its death notice)
         self.seq = 0
         self.need_snapshot = True
         self.epoch: str | None = None
         self.last_sent = float("-inf")
-        self.stats = {"batches": 0, "events": 0, "snapshots": 0, "failures": 0, "bytes": 0}
+        self.stats = {"batches": 0, "events": 0, "snapshots": 0, "failures": 0, "bytes": 0, "index_restarts_seen": 0}
         self._task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
 
     async def flush(self, force: bool = False) -> bool:
         """Send what is pending (or a heartbeat when due). False if the send failed."""
@@ -238,13 +251,14 @@ class IndexPublisher:
         d = d if isinstance(d, Drained) else Drained(*d)
         events, snapshot = d.events, d.snapshot
         now = time.monotonic()
-        if not force and not events and not d.slot_events and snapshot is None \
-                and now - self.last_sent < self.heartbeat_s:
+        changed = bool(events or d.slot_events or snapshot is not None)
+        if not force and not changed and now - self.last_sent < self.heartbeat_due_s:
             return True
         payload = encode_batch(self.worker_id, self.seq, self.block_size, events, snapshot,
                                d.slot_events, d.slot_snapshot)
         self.seq += 1
         self.last_sent = now
+        self.heartbeat_due_s = self.beat.next_interval(self.heartbeat_due_s, changed)
         try:
             reply = await asyncio.wait_for(self.send(payload, snapshot is not None), self.timeout_s)
         except Exception as e:  # timeout, index dead or restarting: resync next time
@@ -271,12 +285,31 @@ class IndexPublisher:
                 self.need_snapshot = True
             await asyncio.sleep(self.interval_s)
 
+    async def watch_index(self) -> None:
+        """Hold the index's death watch; each time it fails (the index died or restarted, or the
+        call was lost) the next flush sends a snapshot at once. Retries at most once a second."""
+        while True:
+            try:
+                await self.watch()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the death notice itself
+                log.debug("index watch ended: %s", type(e).__name__)
+            self.stats["index_restarts_seen"] += 1
+            self.need_snapshot = True
+            self.heartbeat_due_s = self.heartbeat_s
+            await asyncio.sleep(max(1.0, self.interval_s))
+
     def start(self) -> asyncio.Task:
+        loop = asyncio.get_running_loop()
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self.run())
+            self._task = loop.create_task(self.run())
+        if self.watch is not None and (self._watch_task is None or self._watch_task.done()):
+            self._watch_task = loop.create_task(self.watch_index())
         return self._task
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
+        for t in (self._task, self._watch_task):
+            if t is not None:
+                t.cancel()
+        self._task = self._watch_task = None

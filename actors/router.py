@@ -7,7 +7,14 @@ apps sharing a cluster never share or kill each other's estimates.
 Workers report measured prefills, transfers, probes and their load (fire and forget); routers ask
 ``rank``/``decide``. Callers on an event loop use ``RouterClient``, which never blocks: every
 question has a timeout and answers ``None`` on timeout or error, and the caller falls back to
-``power_of_two``.
+``power_of_two``. Reports are coalesced: a client with ``flush_s`` buffers them and sends them
+with its next question (one ``batch`` call: the reports, in order, then the question), or, when
+no question comes, in one ``batch`` call ``flush_s`` after the first buffered report. So a
+routed request costs the router one call (the ranking carries the loads, decisions, outcomes
+and prefills reported since the last one) instead of five or more, and an idle app none.
+Every ``batch`` answer carries the router's ``epoch`` (new after a restart): the client calls
+``on_restart`` when it changes, so the pool re-registers its workers at once instead of every
+second.
 
 Metrics: decisions by kind, bytes pulled (reported by workers after a pull), and the error of
 predicted vs measured TTFT by route kind.
@@ -18,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import uuid
 from collections import Counter
 from typing import Mapping, Sequence
 
@@ -47,6 +55,8 @@ class Router:
         self.bytes_pulled = 0
         self.pull_failures = 0
         self._err: dict[str, list[float]] = {}  # kind -> [count, sum |err|, sum |err|/actual]
+        self.epoch = uuid.uuid4().hex  # new after every (re)start
+        self.batches = 0
 
     # -- reports from workers ---------------------------------------------------------------
     def register(self, worker: WorkerId, node: NodeId) -> None:
@@ -93,6 +103,25 @@ class Router:
         e[1] += abs(predicted_s - actual_s)
         e[2] += abs(predicted_s - actual_s) / max(actual_s, 1e-6)
 
+    def batch(self, reports: Sequence[tuple[str, tuple]] = (), method: str | None = None, args: tuple = ()):
+        """Apply ``reports`` (``(method, args)`` of the report methods, in order; a failing one
+        only loses that sample), then answer ``method(*args)`` (a question; None without one).
+        Returns ``(epoch, answer)``."""
+        self.batches += 1
+        for name, a in reports:
+            if name not in REPORTS:
+                log.warning("router batch: %r is not a report", name)
+                continue
+            try:
+                getattr(self, name)(*a)
+            except Exception as e:  # noqa: BLE001 - one bad sample must not lose the others
+                log.debug("router report %s failed: %r", name, e)
+        if method is None:
+            return self.epoch, None
+        if method not in QUESTIONS:
+            raise ValueError(f"{method!r} is not a router question")
+        return self.epoch, getattr(self, method)(*args)
+
     # -- questions --------------------------------------------------------------------------
     def rank(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
              workers: Sequence[WorkerId] | None = None,
@@ -119,6 +148,11 @@ class Router:
                                for k, (c, s, r) in self._err.items() if c}}
 
 
+REPORTS = frozenset({"register", "remove", "sync_workers", "report_prefill", "report_transfer", "report_probe",
+                     "report_load", "report_decision", "report_outcome"})
+QUESTIONS = frozenset({"rank", "decide", "estimates", "metrics"})
+
+
 def get_or_create_router(config: CostConfig | None = None, detached: bool = False, app: str | None = None):
     """The named router actor of ``app`` (``router_name(app)``), created on first use
     (``get_if_exists`` makes creation race-free); owned by the caller unless ``detached``.
@@ -135,15 +169,24 @@ class RouterClient:
     """Async, non-blocking access to the router actor for code on an event loop.
 
     Questions return ``None`` on timeout or any error; reports are fire and forget (their refs are
-    dropped; an error in a report only loses that sample).
+    dropped; an error in a report only loses that sample). ``flush_s`` None: each report is its
+    own call (as before); else reports wait in a buffer (at most ``max_buffer``) for the next
+    question or for ``flush_s`` (see the module docstring); order is kept either way.
+    ``on_restart()``: called when an answer shows a new router epoch (not for the first one).
     """
 
     def __init__(self, handle=None, timeout_s: float = 0.05, rng: random.Random | None = None,
-                 name: str = ROUTER_NAME):
+                 name: str = ROUTER_NAME, flush_s: float | None = None, max_buffer: int = 4096):
         self._handle = handle
         self.name = name  # looked up when no handle is given
         self.timeout_s = timeout_s
         self.rng = rng or random.Random()
+        self.flush_s, self.max_buffer = flush_s, max_buffer
+        self.on_restart = None
+        self.epoch: str | None = None
+        self.calls = 0  # actor calls made (questions + flushes + unbuffered reports)
+        self._buffer: list[tuple[str, tuple]] = []
+        self._timer: asyncio.TimerHandle | None = None
 
     @property
     def handle(self):
@@ -153,11 +196,53 @@ class RouterClient:
 
     async def _ask(self, method: str, *args):
         try:
-            ref = getattr(self.handle, method).remote(*args)
-            return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
+            if self.flush_s is None:
+                self.calls += 1
+                ref = getattr(self.handle, method).remote(*args)
+                return await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
+            reports = self._take()
+            self.calls += 1
+            ref = self.handle.batch.remote(reports, method, args)
+            epoch, answer = await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.timeout_s)
+            self._saw(epoch)
+            return answer
         except Exception as e:  # timeout, actor gone, not created yet: the caller falls back
             log.debug("router %s failed: %r", method, e)
             return None
+
+    def _take(self) -> list[tuple[str, tuple]]:
+        reports, self._buffer = self._buffer, []
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        return reports
+
+    def _saw(self, epoch: str) -> None:
+        if epoch != self.epoch:
+            restarted = self.epoch is not None
+            self.epoch = epoch
+            if restarted and self.on_restart is not None:
+                try:
+                    self.on_restart()
+                except Exception:  # noqa: BLE001 - a callback failure must not fail routing
+                    log.exception("router on_restart failed")
+
+    def flush(self) -> None:
+        """Send the buffered reports now (one ``batch`` call; fire and forget but for the epoch)."""
+        reports = self._take()
+        if not reports:
+            return
+        try:
+            self.calls += 1
+            ref = self.handle.batch.remote(reports)
+        except Exception as e:
+            log.debug("router flush failed: %r", e)
+            return
+        try:
+            fut = asyncio.wrap_future(ref.future())
+        except RuntimeError:  # no event loop: nobody to read the epoch
+            return
+        fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else self._saw(f.result()[0]))
 
     async def decide(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
                      workers: Sequence[WorkerId] | None = None) -> RouteDecision | None:
@@ -177,7 +262,20 @@ class RouterClient:
         return d if d is not None else power_of_two(list(workers), load, self.rng)
 
     def report(self, method: str, *args) -> None:
+        if self.flush_s is not None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # not on an event loop: no timer to flush with, send it now
+                loop = None
+            if loop is not None:
+                self._buffer.append((method, args))
+                if len(self._buffer) >= self.max_buffer:
+                    self.flush()
+                elif self._timer is None:
+                    self._timer = loop.call_later(self.flush_s, self.flush)
+                return
         try:
+            self.calls += 1
             getattr(self.handle, method).remote(*args)
         except Exception as e:
             log.debug("router report %s failed: %r", method, e)

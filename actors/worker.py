@@ -23,6 +23,7 @@ from engine.llm_engine import EngineConfig
 from engine.sequence import Request, RequestOutput
 
 log = logging.getLogger(__name__)
+ROUTER_REPORT_FLUSH_S = 0.5  # a worker's reports to the router wait at most this long to share one call
 
 
 async def _await(ref):
@@ -70,6 +71,7 @@ class Worker:
         self.faults: set[str] = set()
         self.export_delay_s = 0.0
         self.router = None  # RouterClient when a router actor exists (reports measurements)
+        self.report_prefills = True
         self.donor_stats = {"pulled": 0, "failed": 0, "skipped": 0}
         self.export_stats = {"calls": 0, "blocks": 0}  # export_prefix served to pulling peers
         self.fault_stats = {"exports_faulted": 0}  # exports the fault hooks slowed or altered
@@ -105,7 +107,7 @@ class Worker:
                 gained += out.num_approx_tokens
             route = "pulled" if gained else ("local" if out.num_cached_tokens else "recomputed")
             out = replace(out, route=route, pulled_tokens=gained)
-            if first and out.prefill_s is not None and self.router is not None:
+            if first and out.prefill_s is not None and self.router is not None and self.report_prefills:
                 self.router.report("report_prefill", self.worker_id, out.num_prompt_tokens - out.num_cached_tokens,
                                    out.prefill_s, out.num_cached_tokens)
             first = False
@@ -312,6 +314,21 @@ class Worker:
         if not self.engine.alive:
             raise EngineDead(f"the engine of worker {self.worker_id} died: {self.engine.error!r}")
 
+    async def until_exit(self) -> None:
+        """Never returns. A watcher (the index, the pool) keeps one such call pending per worker:
+        Ray fails it with ``ActorDiedError`` as soon as this actor dies, so liveness needs no
+        periodic pings (one idle coroutine here, no traffic)."""
+        await asyncio.get_running_loop().create_future()
+
+    async def watch_engine(self, poll_s: float = 0.5) -> None:
+        """Raises ``EngineDead`` once the engine loop died (at once if it has); never returns
+        while it lives. The pool keeps one such call pending per worker instead of asking
+        ``health`` every few seconds: the engine's liveness is checked here, locally, every
+        ``poll_s`` (no actor call, no hop onto the engine thread)."""
+        while self.engine.alive:
+            await asyncio.sleep(poll_s)
+        self._check_alive()
+
     async def health(self) -> dict:
         """Raises EngineDead once the engine loop died (the pool then replaces this worker);
         else the engine's load (running and waiting requests), read on the engine thread."""
@@ -319,11 +336,15 @@ class Worker:
         return await self.engine.call(lambda e: {"alive": True, "running": len(e.scheduler.running),
                                                  "waiting": len(e.scheduler.waiting)})
 
-    def attach_router(self, handle=None) -> bool:
-        """Report prefills and transfers to the router actor (fire and forget)."""
+    def attach_router(self, handle=None, report_prefills: bool = True) -> bool:
+        """Report transfers, probes and (``report_prefills``) prefills to the router actor (fire
+        and forget, coalesced: at most one call per ``ROUTER_REPORT_FLUSH_S``). The pool passes
+        ``report_prefills=False``: it reports each request's prefill itself, on the router's
+        next ranking (``WorkerPool.mark_started``), which costs no call of its own."""
         from actors.router import RouterClient
 
-        self.router = RouterClient(handle)
+        self.router = RouterClient(handle, flush_s=ROUTER_REPORT_FLUSH_S)
+        self.report_prefills = report_prefills
         return True
 
     async def abort(self, request_id: str) -> None:
@@ -360,9 +381,11 @@ class Worker:
         """This worker's prefix cache: [(block hash, parent hash, share domain)]."""
         return await self.engine.call(lambda e: e.pool.cached_hashes())
 
-    async def start_index_publisher(self, interval_s: float = 0.1, heartbeat_s: float = 1.0) -> bool:
+    async def start_index_publisher(self, interval_s: float = 0.1, heartbeat_s: float = 1.0,
+                                    max_heartbeat_s: float = 8.0) -> bool:
         """Publish block and template-slot events to the cluster's index actor in batches
-        (idempotent)."""
+        (idempotent). Idle, the heartbeat backs off from ``heartbeat_s`` to ``max_heartbeat_s``;
+        a restarted index is noticed at once by a death watch on it (``IndexActor.until_exit``)."""
         from actors.index_actor import get_or_create_index
         from actors.index_publisher import Drained, IndexPublisher
 
@@ -392,8 +415,12 @@ class Worker:
         async def send(payload: bytes, full: bool) -> dict:
             return await index.publish.remote(payload, me if full else None)
 
+        async def watch() -> None:
+            await index.until_exit.remote()
+
         self.index_publisher = IndexPublisher(self.worker_id, self.config.block_size, drain, send,
-                                              interval_s=interval_s, heartbeat_s=heartbeat_s)
+                                              interval_s=interval_s, heartbeat_s=heartbeat_s,
+                                              max_heartbeat_s=max_heartbeat_s, watch=watch)
         self.index_publisher.start()
         return True
 

@@ -42,8 +42,8 @@ from typing import AsyncIterator
 
 import ray
 
-from cluster.pool import (PoolConfig, RouteChoice, WorkerDied, WorkerPool, WorkerUnavailable, resolve_pool_config,
-                          stream_outputs)
+from cluster.pool import (PoolConfig, RouteChoice, WorkerDied, WorkerPool, WorkerUnavailable, prefill_sample,
+                          resolve_pool_config, stream_outputs)
 from engine.sequence import InvalidRequest, Request, RequestOutput
 from policies.autoscale import check_shares
 from policies.introspection import admin_view, tenant_view
@@ -315,10 +315,12 @@ class Controller:
         self._open[rid] = _Open(client_id, request.tenant, ws.actor)
         return Lease(rid, ws.worker_id, ws.actor, choice)
 
-    def started(self, lease_id: str, route: str | None, ttft_s: float) -> None:
-        """The lease's first output came ``ttft_s`` after the replica got the lease."""
+    def started(self, lease_id: str, route: str | None, ttft_s: float, prefill: tuple | None = None) -> None:
+        """The lease's first output came ``ttft_s`` after the replica got the lease; ``prefill``:
+        the worker's measured ``(computed tokens, seconds, cached tokens)`` from that output,
+        for the router's prefill fit (it rides on the router's next call; see ``prefill_sample``)."""
         if lease_id in self._open:
-            self.pool.mark_started(lease_id, route, ttft_s)
+            self.pool.mark_started(lease_id, route, ttft_s, prefill=prefill)
 
     def end(self, lease_id: str, finished: bool, worker_dead: bool = False) -> None:
         """The replica's stream ended (idempotent; a reclaimed lease is already ended)."""
@@ -598,7 +600,7 @@ class ControllerClient:
             async with contextlib.aclosing(stream_outputs(lease.actor, lease.worker_id, request, lease.choice)) as outs:
                 async for out in outs:
                     if first:
-                        self.handle.started.remote(lid, out.route, time.monotonic() - t0)
+                        self.handle.started.remote(lid, out.route, time.monotonic() - t0, prefill_sample(out))
                         first = False
                     self._progress[lid] = out.num_output_tokens
                     finished = out.finished

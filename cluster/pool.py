@@ -49,7 +49,7 @@ from typing import AsyncIterator
 import ray
 
 from actors.worker import worker_actor_class
-from cluster.routing import ROUTE_TIMEOUT_S, CostAwareRouter
+from cluster.routing import ROUTE_TIMEOUT_S, ROUTER_FLUSH_S, CostAwareRouter
 from cluster.types import (LeastLoadedRouter, RouteChoice, Router, WorkerDied, WorkerState,  # noqa: F401 - re-exported
                            WorkerUnavailable)
 from engine.async_engine import EngineDead
@@ -58,6 +58,7 @@ from engine.sequence import InvalidRequest, Request, RequestOutput
 from policies.autoscale import AutoscaleConfig, ScaleDecision, TenantAutoscaler, TenantDemand, TenantShare
 
 log = logging.getLogger(__name__)
+ROUTER_RESYNC_S = 30.0  # sync_router resends an unchanged worker set this often (a safety net)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class PoolConfig:
     # least-loaded routing and no index/router actors.
     cost_aware_routing: bool = True
     probe_interval_s: float = 30.0  # light link probes between workers on different nodes (0: off)
-    health_interval_s: float = 2.0  # ask each ready worker whether its engine lives (0: off)
+    health_interval_s: float = 2.0  # engine/actor death watch per worker (0: off); its retry delay
     health_timeout_s: float = 10.0  # a slower answer is not a death (unreachable != dead)
 
 
@@ -134,6 +135,8 @@ class WorkerPool:
         self._loop_task: asyncio.Task | None = None
         self._actor_cls = None
         self._index = self._router_actor = self._router_client = None
+        self._synced_nodes: dict[str, str] = {}  # what the router actor was last told (sync_router)
+        self._synced_at = float("-inf")
         self.error: str | None = None
         self.routed: Counter[str] = Counter()  # requests routed per worker
         self.decisions: Counter[str] = Counter()  # by planned route: local | pulled | recomputed
@@ -154,8 +157,6 @@ class WorkerPool:
         if self.config.cost_aware_routing and self.config.probe_interval_s > 0:
             task = asyncio.create_task(self._probe_loop())
             self._tasks.add(task)
-        if self.config.health_interval_s > 0:
-            self._tasks.add(asyncio.create_task(self._health_loop()))
 
     async def wait_ready(self, timeout: float | None = None) -> bool:
         try:
@@ -196,6 +197,8 @@ class WorkerPool:
             ws.info = await asyncio.wait_for(_aref(ws.actor.ready.remote()), self.config.ready_timeout_s)
             if self.config.cost_aware_routing:
                 await self._join_cluster_routing(ws)
+            if self.config.health_interval_s > 0:
+                self._spawn_task(self._watch_worker(ws))
             self._ready.set()
             log.info("worker %s ready: %s", ws.worker_id, ws.info)
         except Exception as e:  # noqa: BLE001 - any failure: the worker is unusable
@@ -212,9 +215,11 @@ class WorkerPool:
         if self._router_actor is None:  # the first ready worker tells the KV size per token
             cost = CostConfig(block_size=ws.info["block_size"], bytes_per_token=ws.info["kv_bytes_per_token"])
             self._router_actor = await asyncio.to_thread(get_or_create_router, cost, False, self.config.app or None)
-            self._router_client = RouterClient(self._router_actor, timeout_s=ROUTE_TIMEOUT_S)
+            self._router_client = RouterClient(self._router_actor, timeout_s=ROUTE_TIMEOUT_S,
+                                               flush_s=ROUTER_FLUSH_S)
+            self._router_client.on_restart = self._router_restarted
         await _aref(ws.actor.start_index_publisher.remote())
-        await _aref(ws.actor.attach_router.remote(self._router_actor))
+        await _aref(ws.actor.attach_router.remote(self._router_actor, False))
         self._router_client.report("register", ws.worker_id, ws.info["node_id"])
         if not isinstance(self.router, CostAwareRouter):
             self.router = CostAwareRouter(ws.info["model_id"], ws.info["block_size"], self._index,
@@ -242,13 +247,35 @@ class WorkerPool:
                 gone.append(w.worker_id)
         return gone
 
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.health_interval_s)
+    async def _watch_worker(self, ws: WorkerState) -> None:
+        """The worker's health without polling: one ``Worker.watch_engine`` call stays pending
+        (the worker checks its engine locally every 0.5 s) and fails with ``EngineDead`` when the
+        engine loop dies, or ``ActorDiedError`` when the actor does: then the worker is retired
+        (and replaced). Anything else (slow, unreachable: not a death) re-arms the watch after
+        ``health_interval_s``. Ends when the worker leaves the pool. (It used to ask every ready
+        worker's ``health`` every ``health_interval_s``: 0.5 calls/s per worker, each a hop onto
+        the engine thread, idle or not.)"""
+        while self.workers.get(ws.worker_id) is ws and not ws.dead:
             try:
-                await self.check_health()
-            except Exception:  # noqa: BLE001 - keep checking on the next tick
-                log.exception("worker health check failed")
+                await _aref(ws.actor.watch_engine.remote())
+                err = None
+            except asyncio.CancelledError:
+                raise
+            except (EngineDead, ray.exceptions.ActorDiedError) as e:
+                err = e
+            except Exception:  # noqa: BLE001 - slow or unreachable: not (yet) a death
+                err = None
+            if err is not None:
+                if self.workers.get(ws.worker_id) is ws:
+                    self.retire(ws, _first_line(err))
+                return
+            await asyncio.sleep(self.config.health_interval_s)
+
+    def _spawn_task(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     def retire(self, ws: WorkerState, why: str) -> None:
         """``ws`` can serve nothing any more (its engine died): kill it and start a replacement
@@ -322,14 +349,26 @@ class WorkerPool:
                 log.exception("autoscale tick failed")
             self.sync_router()
 
-    def sync_router(self) -> None:
-        """Tell the router actor every routable worker's node (fire and forget): a router that
-        was restarted after its process died knows none of them (it would price every pull as
-        cross-node and report no worker's estimates)."""
+    def sync_router(self, force: bool = False) -> None:
+        """Tell the router actor every routable worker's node when that set changed since the
+        last sync, or ``force`` (fire and forget): a router that was restarted after its process
+        died knows none of them (it would price every pull as cross-node and report no worker's
+        estimates). A restart shows as a new epoch in the router's next answer, which forces a
+        sync (``_router_restarted``); the tick no longer sends one every second regardless, only
+        every ``ROUTER_RESYNC_S`` as a safety net."""
         if self._router_client is not None:
             nodes = {w.worker_id: w.info["node_id"] for w in self.workers.values() if w.routable}
-            if nodes:
+            now = time.monotonic()
+            if nodes and (force or nodes != self._synced_nodes or now - self._synced_at >= ROUTER_RESYNC_S):
+                self._synced_nodes, self._synced_at = nodes, now
                 self._router_client.report("sync_workers", nodes)
+
+    def _router_restarted(self) -> None:
+        """The router actor came back empty: re-register the workers and resend the loads."""
+        log.warning("router actor restarted: re-registering %d workers", len(self.workers))
+        if isinstance(self.router, CostAwareRouter):
+            self.router.forget_published()
+        self.sync_router(force=True)
 
     async def _apply(self, decision: ScaleDecision) -> None:
         self.last_decision = decision
@@ -411,14 +450,20 @@ class WorkerPool:
         self.decisions[choice.route] += 1
         return ws, choice
 
-    def mark_started(self, request_id: str, route: str | None, ttft_s: float | None, output_tokens: int = 1) -> None:
+    def mark_started(self, request_id: str, route: str | None, ttft_s: float | None, output_tokens: int = 1,
+                     prefill: tuple | None = None) -> None:
         """The request's first output arrived ``ttft_s`` after dispatch: report the router's
-        prediction error once, and count the request as running."""
+        prediction error and the worker's measured prefill (``prefill_sample``) once, and count
+        the request as running. (The pool reports prefills, not the workers: the sample then
+        rides on the router's next ranking instead of costing a call of its own.)"""
         f = self._flights.get(request_id)
         if f is None:
             return
-        if not f.started and f.expected_ttft_s is not None and ttft_s is not None and self._router_client is not None:
-            self._router_client.report("report_outcome", route or f.route, f.expected_ttft_s, ttft_s)
+        if not f.started and self._router_client is not None:
+            if f.expected_ttft_s is not None and ttft_s is not None:
+                self._router_client.report("report_outcome", route or f.route, f.expected_ttft_s, ttft_s)
+            if prefill is not None:
+                self._router_client.report("report_prefill", f.worker_id, *prefill)
         if not f.started:
             ws = self.workers.get(f.worker_id)
             if ws is not None and ws.queued.pop(request_id, None) is not None:
@@ -457,7 +502,8 @@ class WorkerPool:
         try:
             async with contextlib.aclosing(stream_outputs(ws.actor, ws.worker_id, request, choice)) as outs:
                 async for out in outs:
-                    self.mark_started(request.request_id, out.route, time.monotonic() - t_start, out.num_output_tokens)
+                    self.mark_started(request.request_id, out.route, time.monotonic() - t_start, out.num_output_tokens,
+                                      prefill=prefill_sample(out))
                     yield ws, choice, out
         except WorkerDied:
             dead = True
@@ -544,6 +590,14 @@ async def stream_outputs(actor, worker_id: str, request: Request, choice: RouteC
                 actor.abort.remote(request.request_id)  # fire and forget
             except Exception:  # noqa: BLE001 - worker gone: nothing to free
                 pass
+
+
+def prefill_sample(out: RequestOutput) -> tuple[int, float, int] | None:
+    """``(computed prompt tokens, prefill seconds, cached tokens)`` of a request's output that
+    carries its measured prefill (the first one), else None: ``Router.report_prefill``'s args."""
+    if out.prefill_s is None:
+        return None
+    return (out.num_prompt_tokens - out.num_cached_tokens, out.prefill_s, out.num_cached_tokens)
 
 
 async def _aref(ref):

@@ -45,6 +45,11 @@ log = logging.getLogger(__name__)
 # without them. 50 ms timed out under load on 2 cores (the cluster bench: lookups dropped to
 # placement without holdings, whose misses cost a full prefill); a miss costs far more than this.
 ROUTE_TIMEOUT_S = 0.2
+# Reports to the router actor (loads, decisions, outcomes, prefills) wait at most this long for
+# the next ranking to carry them (``actors.router.RouterClient``). What a ranking needs always
+# rides on that ranking, so the timer only bounds how stale the router's metrics (TTFT error)
+# get when no request comes; at 1 s most requests' outcomes still cost a flush of their own.
+ROUTER_FLUSH_S = 5.0
 
 
 class CostAwareRouter:
@@ -166,6 +171,10 @@ class CostAwareRouter:
             log.info("replicating a hot prefix (%d blocks) to %s", pulls[-1].end_block, wid)
             ws.actor.prefetch.remote(request, copy)
             self.placer.commit(wid, chains[request.domain][:pulls[-1].end_block], 0, now)
+
+    def forget_published(self) -> None:
+        """Resend every load with the next ranking (the router actor restarted empty)."""
+        self._published.clear()
 
     def _publish_loads(self, candidates: Sequence[WorkerState]) -> None:
         """Each candidate's queue for the cost model: the prompt tokens each routed request

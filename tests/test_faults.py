@@ -10,6 +10,7 @@
   its workers (``WorkerPool.sync_router``).
 """
 
+import asyncio
 import os
 import time
 from dataclasses import replace
@@ -137,7 +138,7 @@ def test_router_actor_restarts_and_the_pool_re_registers_its_workers():
         router = get_or_create_router(app="faults-test")
         pid = ray.get(router.__ray_call__.remote(lambda self: os.getpid()))
         pool = WorkerPool(PoolConfig(app="faults-test", cost_aware_routing=False))
-        pool._router_client = RouterClient(router, timeout_s=10.0)
+        pool._router_client = client = RouterClient(router, timeout_s=10.0)
         pool.workers = {"w0": WorkerState("w0", None, info={"node_id": "n0"}),
                         "w1": WorkerState("w1", None, info={"node_id": "n1"}),
                         "w2": WorkerState("w2", None)}  # still starting: not registered
@@ -154,9 +155,28 @@ def test_router_actor_restarts_and_the_pool_re_registers_its_workers():
                 time.sleep(0.2)
         assert ray.get(router.__ray_call__.remote(lambda self: os.getpid())) != pid
         assert nodes == {}  # restarted empty ...
-        pool.sync_router()  # ... until the pool's next tick
+        pool.sync_router()  # ... and the tick does not resend an unchanged set ...
+        assert ray.get(router.estimates.remote())["nodes"] == {}
+        pool.sync_router(force=True)  # ... but a forced sync (a restart seen) does
         assert ray.get(router.estimates.remote())["nodes"] == {"w0": "n0", "w1": "n1"}
         assert ray.get(router.sync_workers.remote({"w0": "n0"})) == 0  # idempotent
+
+        # with coalesced reports the pool notices a restart from the epoch of the next answer
+        async def rank_after_restart():
+            batched = RouterClient(router, timeout_s=10.0, flush_s=0.05)
+            pool._router_client = batched
+            batched.on_restart = pool._router_restarted
+            assert await batched.rank(64, {}, ["w0", "w1"]) is not None  # first epoch seen
+            os.kill(ray.get(router.__ray_call__.remote(lambda self: os.getpid())), 9)
+            deadline = time.monotonic() + 60
+            while await batched.rank(64, {}, ["w0", "w1"]) is None:  # None while it restarts
+                assert time.monotonic() < deadline, "the router actor did not come back"
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(0.3)  # the forced sync rides on the next flush (flush_s)
+            return ray.get(router.estimates.remote())["nodes"]
+
+        assert asyncio.run(rank_after_restart()) == {"w0": "n0", "w1": "n1"}
+        assert client.calls >= 2
         ray.kill(router)
     finally:
         if started:

@@ -96,3 +96,37 @@ def test_index_tracks_workers_across_nodes_and_restarts(cluster):
     assert ray.get(index.stats.remote(), timeout=10)["workers"] == 1
     ray.kill(wa)
     ray.kill(index)
+
+
+def test_dead_worker_dropped_and_restarted_index_rebuilt_by_death_watches_alone(cluster):
+    """No pings and no heartbeats within the test: the index's liveness loop never runs
+    (``liveness_s`` an hour) and the worker's heartbeat backs off from 10 minutes, so only the
+    death watches can drop the killed worker (the index's ``until_exit`` call on it fails) and
+    rebuild the restarted index (the worker's call on the index fails, it resends its snapshot)."""
+    index = get_or_create_index(BS, liveness_s=3600.0, stale_s=3600.0)
+    W = worker_actor_class(num_gpus=0, num_cpus=1)
+    cfg = EngineConfig(model="tiny-llama", num_blocks=64, max_num_batched_tokens=256)
+    wa = W.options(resources={"node_a": 1}).remote("wa", cfg)
+    wb = W.options(resources={"node_b": 1}).remote("wb", cfg)
+    info = ray.get(wa.ready.remote(), timeout=120)
+    ray.get(wb.ready.remote(), timeout=120)
+    ray.get([w.start_index_publisher.remote(0.05, 600.0, 600.0) for w in (wa, wb)], timeout=60)
+    tokens = [(17 * i + 1) % 256 for i in range(40)]  # 40 + 1 tokens: 2 full blocks
+    p = SamplingParams(max_tokens=2, temperature=0.0)
+    ray.get([w.generate_all.remote(Request(f"dw-{i}", tuple(tokens), p, tenant="t1")) for i, w in enumerate((wa, wb))],
+            timeout=120)
+    chains = prompt_chains(tokens, BS, info["model_id"], ["t1"])
+
+    def look():
+        return ray.get(index.lookup.remote(chains), timeout=10)
+
+    assert poll(look, {"wa": 32, "wb": 32}) == {"wa": 32, "wb": 32}
+    ray.kill(wb)
+    assert poll(look, {"wa": 32}) == {"wa": 32}
+    assert ray.get(index.stats.remote(), timeout=10)["dropped_workers"] == 1
+    epoch = ray.get(index.stats.remote(), timeout=10)["epoch"]
+    ray.kill(index, no_restart=False)
+    assert poll(lambda: ray.get(index.stats.remote(), timeout=10)["epoch"] != epoch, True) is True
+    assert poll(look, {"wa": 32}) == {"wa": 32}  # rebuilt from wa's snapshot
+    ray.kill(wa)
+    ray.kill(index)

@@ -89,3 +89,51 @@ def test_dead_engines_are_detected_idle_and_mid_stream_and_replaced():
         asyncio.run(main())
     finally:
         ray.shutdown()
+
+
+def test_the_death_watch_replaces_a_dead_engine_without_polling():
+    """``health_interval_s`` an hour: the pool never asks ``health``; only the pending
+    ``watch_engine`` call (the worker checks its engine locally) reports the death."""
+    import ray
+
+    from cluster.pool import PoolConfig, WorkerPool
+    from engine.llm_engine import EngineConfig
+    from policies.autoscale import AutoscaleConfig
+
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
+
+    async def main():
+        cfg = PoolConfig(engine=EngineConfig(model="tiny-llama", num_blocks=64), cost_aware_routing=False,
+                         autoscale=AutoscaleConfig(min_workers=2, max_workers=2), worker_num_cpus=0,
+                         worker_num_gpus=0, health_interval_s=3600.0)
+        pool = WorkerPool(cfg)
+        await pool.start(autoscale=False)
+        try:
+            await _wait_ready(pool, 2)
+            w0, w1 = sorted(pool.workers)
+            await pool.workers[w0].actor.set_faults.remote(["engine_death"])
+            for _ in range(300):
+                if w0 not in pool.workers:
+                    break
+                await asyncio.sleep(0.1)
+            assert w0 not in pool.workers  # retired by the watch, within seconds
+            await _wait_ready(pool, 2)  # and replaced
+            assert w1 in pool.workers and len(pool.workers) == 2
+            outs = await _run(pool, "after-watch")
+            assert outs[-1].finished
+            # a worker killed outright: the watch sees ActorDiedError and replaces it too
+            victim = pool.workers[w1]
+            ray.kill(victim.actor)
+            for _ in range(300):
+                if w1 not in pool.workers:
+                    break
+                await asyncio.sleep(0.1)
+            assert w1 not in pool.workers
+            await _wait_ready(pool, 2)
+        finally:
+            await pool.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        ray.shutdown()
