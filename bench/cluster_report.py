@@ -16,7 +16,7 @@ rate sweep: ``Point``s in the order the rates were offered.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 SUSTAIN = 0.85  # a rate is sustained when >= 85% of it comes out as completed requests per second
 
@@ -41,7 +41,19 @@ class AtLatency:
     lower_bound: bool  # the curve never reached the latency: its highest throughput
 
 
+def monotone(curve: list[Point]) -> list[Point]:
+    """The curve in offered-rate order with each p99 raised to the highest p99 at any lower rate:
+    more load never lowers the tail, so a lower p99 at a higher rate is noise (a short stage).
+    Without it a noisy curve can start above its own saturated p99 and read as never reaching it."""
+    out: list[Point] = []
+    for p in sorted(curve, key=lambda p: p.rate):
+        out.append(replace(p, ttft_p99=max(p.ttft_p99, out[-1].ttft_p99)) if out else p)
+    return out
+
+
 def throughput_at(curve: list[Point], y: float) -> AtLatency:
+    """Throughput at p99 TTFT ``y``, interpolated on the monotone curve (``monotone``)."""
+    curve = monotone(curve)
     if not curve:
         return AtLatency(None, False)
     if curve[0].ttft_p99 > y:
@@ -58,7 +70,7 @@ def equal_p99_ratio(a: list[Point], b: list[Point]) -> dict:
     """``a``'s throughput over ``b``'s at ``b``'s saturated p99 TTFT (see the module docstring)."""
     if not a or not b:
         return {"ratio": None, "p99_ttft_s": None}
-    ref = max(b, key=lambda p: p.throughput)
+    ref = max(monotone(b), key=lambda p: p.throughput)
     y = ref.ttft_p99
     ta, tb = throughput_at(a, y), throughput_at(b, y)
     ratio = ta.throughput / tb.throughput if ta.throughput and tb.throughput else None

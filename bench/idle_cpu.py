@@ -19,7 +19,7 @@ executed per second by method, from Ray's task events (``ray.util.state.summariz
 Serve's own request path runs with task events off, so it is not counted), and a py-spy profile
 of one worker process during the load (``--profile-s``; where its Python time goes).
 
-    flock /work/logs/bench.lock nice -n 5 .venv/bin/python bench/idle_cpu.py     # ~6 min here
+    nice -n 5 .venv/bin/python bench/idle_cpu.py     # ~6 min here
 Writes bench/results/idle_cpu.json (``--out``). Loopback only; stops by itself.
 """
 
