@@ -88,6 +88,27 @@ def test_import_verifies_hashes_model_and_isolation(tiny_model):
 
 
 @pytest.mark.ray
+
+def settled_bytes_pulled(router_actor) -> int:
+    """The router's ``bytes_pulled`` once the workers' buffered reports of earlier pulls have
+    landed (a worker sends its reports with its next question, else after
+    ``ROUTER_REPORT_FLUSH_S``): unchanged for 4 flush intervals."""
+    import ray
+
+    from actors.worker import ROUTER_REPORT_FLUSH_S
+
+    deadline = time.monotonic() + 30
+    last, since = None, time.monotonic()
+    while True:
+        cur = ray.get(router_actor.metrics.remote())["bytes_pulled"]
+        if cur != last:
+            last, since = cur, time.monotonic()
+        elif time.monotonic() - since >= 4 * ROUTER_REPORT_FLUSH_S:
+            return cur
+        assert time.monotonic() < deadline, "the router's pull count never settled"
+        time.sleep(0.05)
+
+
 def test_router_pulls_to_idle_node_and_falls_back_on_failure(tiny_model):
     import ray
     from ray.cluster_utils import Cluster
@@ -167,7 +188,7 @@ def test_router_pulls_to_idle_node_and_falls_back_on_failure(tiny_model):
 
         # light probes: B measures its link from A; the router learns it without counting pulls
         key = f"{ia['node_id']}->{ib['node_id']}"
-        before = ray.get(router_actor.metrics.remote())["bytes_pulled"]
+        before = settled_bytes_pulled(router_actor)
         samples = ray.get(router_actor.estimates.remote())["links"].get(key, {}).get("samples", 0)
         probed = ray.get(wb.probe.remote([(ia["node_id"], wa), (ib["node_id"], wb)], 1 << 17))
         assert list(probed) == [ia["node_id"]]  # never itself
