@@ -33,6 +33,14 @@ async def _wait_ready(pool, n, timeout=240):
     raise AssertionError(f"only {[w.worker_id for w in pool.workers.values() if w.routable]} ready")
 
 
+async def _wait_retired(pool, worker_id, timeout=30):
+    for _ in range(timeout * 10):
+        if worker_id not in pool.workers:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{worker_id} was never retired")
+
+
 def test_dead_engines_are_detected_idle_and_mid_stream_and_replaced():
     import ray
 
@@ -112,11 +120,7 @@ def test_the_death_watch_replaces_a_dead_engine_without_polling():
             await _wait_ready(pool, 2)
             w0, w1 = sorted(pool.workers)
             await pool.workers[w0].actor.set_faults.remote(["engine_death"])
-            for _ in range(300):
-                if w0 not in pool.workers:
-                    break
-                await asyncio.sleep(0.1)
-            assert w0 not in pool.workers  # retired by the watch, within seconds
+            await _wait_retired(pool, w0)  # retired by the watch, within seconds
             await _wait_ready(pool, 2)  # and replaced
             assert w1 in pool.workers and len(pool.workers) == 2
             outs = await _run(pool, "after-watch")
@@ -124,11 +128,7 @@ def test_the_death_watch_replaces_a_dead_engine_without_polling():
             # a worker killed outright: the watch sees ActorDiedError and replaces it too
             victim = pool.workers[w1]
             ray.kill(victim.actor)
-            for _ in range(300):
-                if w1 not in pool.workers:
-                    break
-                await asyncio.sleep(0.1)
-            assert w1 not in pool.workers
+            await _wait_retired(pool, w1)
             await _wait_ready(pool, 2)
         finally:
             await pool.close()
