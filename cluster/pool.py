@@ -172,6 +172,12 @@ class WorkerPool:
             t.cancel()
         for w in list(self.workers.values()):
             self._kill(w)
+        if self._router_actor is not None:  # ours (its owner); killed now, not when the owner's death
+            try:                             # reaches it (asynchronous: it answered calls meanwhile)
+                ray.kill(self._router_actor, no_restart=True)
+            except Exception as e:  # noqa: BLE001 - already gone
+                log.debug("router kill failed: %r", e)
+            self._router_actor = self._router_client = None
 
     def model_info(self) -> dict | None:
         """``ready()`` of any ready worker (model name, max_model_len, block size)."""
