@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import cluster_report as report  # noqa: E402
 from bench import cluster_setup as setup  # noqa: E402
-from bench import ipperf, rayup, workloads  # noqa: E402
+from bench import cpuquota, ipperf, rayup, workloads  # noqa: E402
 from bench.loadgen import Result, send_one, summarize  # noqa: E402
 from bench.netlab import LinkSpec, leftovers  # noqa: E402
 from bench.sshhosts import leftover_pids, ssh_hosts  # noqa: E402
@@ -292,6 +292,9 @@ def parse_args(argv=None):
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--slow-mbit", type=float, default=100.0)
     ap.add_argument("--fast-mbit", type=float, default=1000.0)
+    ap.add_argument("--node-cpus", type=float, default=None,
+                    help="cores each worker host may use (a CFS quota, bench/cpuquota.py), like a machine of its "
+                         "own; default 0.8 x this machine's cores / workers; 0: hosts share all cores (before)")
     ap.add_argument("--configs", default=",".join(setup.CONFIGS))
     ap.add_argument("--rates", default=None, help="offered shared-prefix request rates (req/s), comma separated")
     ap.add_argument("--stage-s", type=int, default=None, help="seconds per rate")
@@ -321,6 +324,8 @@ def parse_args(argv=None):
     hot = ("" if a.quick else "0.7,1.3") if a.hot_rates is None else a.hot_rates
     a.hot_rates = [float(x) for x in hot.split(",") if x]
     a.configs = [c for c in a.configs.split(",") if c]
+    if a.node_cpus is None:
+        a.node_cpus = round(0.8 * (os.cpu_count() or 1) / a.workers, 3)
     a.workloads = [w for w in a.workloads.split(",") if w]
     return a
 
@@ -370,10 +375,13 @@ def main(argv=None) -> dict:
     try:
         with ssh_hosts(links, prefix=args.tag_prefix, env=HOST_ENV,
                        binds={str(ipperf.CACHE): ".cache/kvmesh", str(Path.home() / ".pyenv"): ".pyenv"},
-                       daemon=rayup.port_prewriter()) as lab:
+                       daemon=rayup.port_prewriter(),
+                       cpus={w: args.node_cpus for w in workers} if args.node_cpus > 0 else None) as lab:
             lab_ref["lab"] = lab
             cl = Cluster(lab, work, log)
-            doc["cluster"] = {"hosts": {n: {"ip": h.ip, "rate_mbit": h.rate_mbit} for n, h in lab.hosts.items()},
+            doc["cluster"] = {"hosts": {n: {"ip": h.ip, "rate_mbit": h.rate_mbit,
+                                            "cpus": args.node_cpus if n in lab.cgroups else None}
+                                        for n, h in lab.hosts.items()},
                               "endpoint": cl.base_url}
             try:
                 log(f"ray up: head {cl.head.ip}, workers " + ", ".join(
@@ -390,6 +398,7 @@ def main(argv=None) -> dict:
                         cl.shutdown_serve()
                     write(doc, out_json)
             finally:
+                doc["cluster"]["cpu_throttling"] = {n: cpuquota.throttled(p) for n, p in lab.cgroups.items()}
                 doc["cluster"]["ray_down_rc"] = cl.down()
     finally:
         bar.close()

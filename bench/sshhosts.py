@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from bench.cpuquota import cpu_cgroup, enter_command
 from bench.netlab import LinkSpec, Network, build_network, remove_network
 
 SSHD = "/usr/sbin/sshd"
@@ -58,6 +59,7 @@ class HostLab:
     hosts: dict[str, Host] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     pid_namespaces: dict[str, str] = field(default_factory=dict)  # host -> "pid:[inode]"
+    cgroups: dict[str, Path] = field(default_factory=dict)  # host -> its CPU cgroup (``cpus``)
 
     def ssh(self, host: str, command: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
         """Run ``command`` on ``host`` over SSH (as ``ray up`` would)."""
@@ -157,15 +159,18 @@ def leftover_pids(lab: HostLab) -> list[int]:
 @contextlib.contextmanager
 def ssh_hosts(links: Sequence[LinkSpec], prefix: str = "kvm", env: dict[str, str] | None = None,
               binds: dict[str, str] | None = None, daemon: str | None = None,
-              boot_timeout_s: float = 30) -> Iterator[HostLab]:
+              boot_timeout_s: float = 30, cpus: dict[str, float] | None = None) -> Iterator[HostLab]:
     """Build the hosts and start their sshd; ``env`` is set in every SSH session on them;
     ``binds`` maps paths of this machine to paths under every host's home (e.g. a model cache
-    the hosts come provisioned with)."""
+    the hosts come provisioned with); ``cpus`` caps a host's processes together at that many
+    cores (``bench.cpuquota``: a machine of its own for compute too; hosts not named share this
+    machine's cores)."""
     ensure_sshd()
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation directory
     network = build_network(links, prefix=prefix)
     run_dir = RUN_ROOT / f"{prefix}-{network.tag}"
     lab = HostLab(run_dir, run_dir / "id_ed25519", network)
+    cgroups = contextlib.ExitStack()
     try:
         run_dir.mkdir(mode=0o700)
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(lab.key)], check=True)
@@ -185,9 +190,13 @@ def ssh_hosts(links: Sequence[LinkSpec], prefix: str = "kvm", env: dict[str, str
             conf.write_text(sshd_config(host, run_dir, host_key, authorized, env or {}))
             inner = host_init(host, conf, binds or {}, daemon)
             log = open(run_dir / f"sshd-{spec.name}.log", "wb")
-            lab.procs[spec.name] = subprocess.Popen(
-                ["ip", "netns", "exec", node.netns, "unshare", "--pid", "--mount", "--fork", "--kill-child",
-                 "--mount-proc", "sh", "-c", inner], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            cmd = ["ip", "netns", "exec", node.netns, "unshare", "--pid", "--mount", "--fork", "--kill-child",
+                   "--mount-proc", "sh", "-c", inner]
+            if cpus and spec.name in cpus:  # the host's PID 1 and all it starts inherit the cgroup
+                cg = cgroups.enter_context(cpu_cgroup(f"{prefix}-{network.tag}-{spec.name}", cpus[spec.name]))
+                lab.cgroups[spec.name] = cg
+                cmd = ["sh", "-c", f'{enter_command(cg)} && exec "$@"', "sh", *cmd]
+            lab.procs[spec.name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             lab.hosts[spec.name] = host
         for name, host in lab.hosts.items():
             _wait_port(host.ip, 22, boot_timeout_s, lab.procs[name])
@@ -198,6 +207,7 @@ def ssh_hosts(links: Sequence[LinkSpec], prefix: str = "kvm", env: dict[str, str
         yield lab
     finally:
         _stop_hosts(lab)
+        cgroups.close()  # after the hosts' processes are gone
         remove_network(network)
         # the binds live in the hosts' private mount namespaces only; never delete through one
         mounted = [m for m in _mount_points() if m == str(run_dir) or m.startswith(f"{run_dir}/")]

@@ -189,3 +189,42 @@ def test_a_noisy_curve_whose_p99_falls_with_load_still_gets_a_ratio():
     assert r["p99_ttft_s"] == pytest.approx(2.23) and r["baseline_throughput"] == pytest.approx(1.09)
     assert r["throughput"] == pytest.approx(0.55 + (2.23 - 1.84) / (4.34 - 1.84) * (1.29 - 0.55))
     assert [p.ttft_p99 for p in report.monotone(base)] == [2.23, 2.23]
+
+
+def test_cpu_quota_is_cpus_times_period_with_the_kernel_floor():
+    from bench import cpuquota
+
+    assert cpuquota.quota_us(0.4, 20_000) == 8_000
+    assert cpuquota.quota_us(0.01, 20_000) == 1_000  # the kernel refuses quotas under 1 ms
+    with pytest.raises(ValueError):
+        cpuquota.quota_us(0, 20_000)
+
+
+def _cgroups_writable() -> bool:
+    import os
+
+    from bench import cpuquota
+
+    try:
+        root, _ = cpuquota.cgroup_root()
+    except (RuntimeError, OSError):
+        return False
+    return os.geteuid() == 0 and os.access(root, os.W_OK)
+
+
+@pytest.mark.skipif(not _cgroups_writable(), reason="needs root and a writable cgroup cpu controller")
+def test_a_process_started_in_a_host_cgroup_is_held_to_its_quota_and_the_cgroup_is_removed():
+    import subprocess
+    import uuid
+
+    from bench import cpuquota
+
+    name = f"kvtest-{uuid.uuid4().hex[:8]}"
+    with cpuquota.cpu_cgroup(name, 0.1) as cg:
+        # the same wrapper sshhosts uses: the shell enters the cgroup, then execs the host command
+        spin = ["python3", "-c", "import time\nt=time.time()\nwhile time.time()-t<0.5: pass"]
+        p = subprocess.run(["sh", "-c", f'{cpuquota.enter_command(cg)} && exec "$@"', "sh", *spin], timeout=60)
+        assert p.returncode == 0
+        stats = cpuquota.throttled(cg)
+        assert stats["periods"] > 0 and stats["throttled"] > 0  # a busy loop over 0.1 core is throttled
+    assert not cg.exists()
