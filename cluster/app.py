@@ -511,11 +511,23 @@ class KvmeshIngress:
                                    snap["router"])
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvmesh",
+                "max_model_len": self.max_model_len}
+
     @app.get("/v1/models")
     async def models(self, req: HttpRequest):
         self._auth(req)
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "kvmesh", "max_model_len": self.max_model_len}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(self, model: str, req: HttpRequest):
+        """OpenAI's retrieve-model route (``client.models.retrieve``): the served model's card."""
+        self._auth(req)
+        if model != self.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        return self._model_card()
 
     @app.get("/kvmesh/workers")
     async def workers(self, req: HttpRequest):

@@ -85,7 +85,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     # vLLM extensions
     "use_beam_search": ("beam search is not implemented", (False,)),
     "length_penalty": ("beam search is not implemented", (1, 1.0)),
-    "min_tokens": ("not implemented", (0,)),
     "include_stop_str_in_output": ("not implemented", (False,)),
     "skip_special_tokens": ("special tokens are always skipped in the text", (True,)),
     "spaces_between_special_tokens": ("not implemented", (True,)),
@@ -189,6 +188,7 @@ class _Body(_Strict):
     logit_bias: Annotated[dict[TokenIdKey, _num(-100, 100)], Field(
         max_length=1024, json_schema_extra={"additionalProperties": False})] | None = None  # token id -> bias
     ignore_eos: StrictBool | None = False  # vLLM extension
+    min_tokens: _int(ge=0) | None = None  # vLLM extension: no EOS / stop before this many tokens
     return_tokens_as_token_ids: StrictBool | None = None  # vLLM extension: logprob tokens as "token_id:<id>"
     response_format: ResponseFormat | None = None  # (completions: vLLM extension)
     # harmless metadata, accepted and without effect
@@ -228,6 +228,8 @@ class _Body(_Strict):
         d: dict = {"max_tokens": max_tokens}
         if self.ignore_eos:
             d["ignore_eos"] = True
+        if self.min_tokens:
+            d["min_tokens"] = self.min_tokens
         for name in ("temperature", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             v = getattr(self, name)

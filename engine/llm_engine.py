@@ -349,11 +349,18 @@ class LLMEngine:
                 self.scheduler.add(child)
         return running
 
+    def _banned(self, seq: Sequence) -> tuple[int, ...]:
+        """Ids ``seq`` may not draw now: EOS and its stop_token_ids until it has min_tokens (vLLM's rule)."""
+        p = seq.params
+        if seq.num_output >= p.min_tokens:
+            return ()
+        return tuple(sorted(set(self.eos_ids) | set(p.stop_token_ids)))
+
     def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
         """Sample one token for each of ``seqs`` (row i of ``logits``) in one batched call and
         append it. A row whose sampling fails ends its request with ``error``; others go on."""
-        rows = [SampleRow(s.params, s.generator, s.tokens if s.params.penalized else None, s.num_prompt)
-                for s in seqs]
+        rows = [SampleRow(s.params, s.generator, s.tokens if s.params.penalized else None, s.num_prompt,
+                          self._banned(s)) for s in seqs]
         gram = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
         try:
             mask = self.grammars.mask_fn(gram, logits.device)
@@ -523,7 +530,9 @@ class LLMEngine:
             reason = "stop"
         else:
             seq.text += seq.detok.add(token)
-        if reason is None and p.stop:
+        if p.stop and seq.num_output < p.min_tokens:
+            seq.stop_from = len(seq.text)  # text before min_tokens never stops the choice
+        elif reason is None and p.stop:
             reason = self._check_stop(seq)
         if reason is None and seq.matcher is not None and seq.matcher.is_terminated():
             reason = "stop"
@@ -556,7 +565,7 @@ class LLMEngine:
         window = max(map(len, seq.params.stop)) + 16
         start = max(0, seq.emitted_chars - window)
         for s in seq.params.stop:
-            idx = seq.text.find(s, start)
+            idx = seq.text.find(s, max(start, seq.stop_from - len(s) + 1))
             if idx != -1:
                 seq.text = seq.text[:idx]
                 return "stop"

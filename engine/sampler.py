@@ -3,7 +3,7 @@
 Every option is a tensor operation over the rows that use it (never a Python loop over the
 vocabulary); rows without options stay on the fast path (one argmax, one softmax + multinomial).
 Processing order, per row: repetition penalty (prompt + output tokens, HF/vLLM rule), frequency
-and presence penalties (output tokens, OpenAI rule), logit_bias, the grammar mask, then
+and presence penalties (output tokens, OpenAI rule), logit_bias, banned ids (min_tokens), the grammar mask, then
 temperature, top_k, min_p, top_p and the draw. Greedy rows (temperature < 1e-5) take the argmax
 of the processed logits.
 
@@ -29,6 +29,7 @@ class SampleRow:
     generator: torch.Generator | None = None
     tokens: list[int] | None = None  # prompt + generated ids (penalties); None if not penalized
     num_prompt: int = 0
+    banned: tuple[int, ...] = ()  # token ids this row may not draw this step (min_tokens: EOS, stop ids)
 
 
 @dataclass
@@ -56,7 +57,7 @@ def _token_counts(lists: list[list[int]], vocab: int, device) -> torch.Tensor:
 
 
 def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> None:
-    """Repetition, frequency/presence penalties and logit_bias, in place on ``x`` [S, V]."""
+    """Repetition, frequency/presence penalties, logit_bias and banned ids, in place on ``x`` [S, V]."""
     V, dev = x.shape[1], x.device
     rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
     if rep:
@@ -76,6 +77,10 @@ def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> None:
     if bias:
         r_, t_, b_ = zip(*bias)
         x.index_put_((_idx(list(r_), dev), _idx(list(t_), dev)), torch.tensor(b_, device=dev), accumulate=True)
+    ban = [(i, t) for i, r in enumerate(rows) for t in r.banned if t < V]
+    if ban:
+        r_, t_ = zip(*ban)
+        x[_idx(list(r_), dev), _idx(list(t_), dev)] = float("-inf")
 
 
 def _filtered_probs(z: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
@@ -110,9 +115,10 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], mask_fn=None) -> SampleR
     errors: list[str | None] = [None] * S
     want_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     raw_lp = torch.log_softmax(logits[_idx(want_lp, logits.device)], dim=-1) if want_lp else None
-    processed = mask_fn is not None or any(r.params.penalized for r in rows)
+    adjusted = any(r.params.penalized or r.banned for r in rows)
+    processed = mask_fn is not None or adjusted
     x = logits.clone() if processed else logits
-    if any(r.params.penalized for r in rows):
+    if adjusted:
         apply_penalties(x, rows)
     if mask_fn is not None:
         mask_fn(x)

@@ -60,6 +60,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None  # choice i of n uses seed + i
     ignore_eos: bool = False
+    min_tokens: int = 0  # before this many output tokens: EOS and stop_token_ids are masked, stop strings unchecked
     n: int = 1
     logprobs: int | None = None  # top-k alternatives per generated token (0: the chosen only)
     prompt_logprobs: int | None = None
@@ -84,6 +85,9 @@ class SamplingParams:
         if not isinstance(stop, (tuple, list)) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
             raise InvalidRequest("stop must be a non-empty string or a list of at most 4 non-empty strings")
         object.__setattr__(self, "stop", tuple(stop))
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                                 f"got {self.min_tokens!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise InvalidRequest(f"seed must be an integer, got {self.seed!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -211,6 +215,7 @@ class Sequence:
     generator: torch.Generator | None = None
     text: str = ""  # generated text so far (after stop-string truncation on finish)
     emitted_chars: int = 0
+    stop_from: int = 0  # a stop string must end after this many chars of text (those came before min_tokens)
     detok: object = None
     # n > 1 (engine/fork.py): choice ``index`` of ``group``; choice 0 prefills, the others fork
     # from it once its prompt is computed, sharing its full blocks.

@@ -137,6 +137,16 @@ def test_bad_or_missing_key_is_401(server):
         r = http(server).post("/v1/chat/completions", headers=headers, json={"model": TINY, "messages": []})
         assert r.status_code == 401 and set(r.json()["error"]) >= {"message", "type", "code"}
     assert http(server).get("/v1/models").status_code == 401
+    assert http(server).get(f"/v1/models/{TINY}").status_code == 401
+
+
+def test_models_list_and_retrieve(server):
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == [TINY]
+    assert c.models.retrieve(TINY).id == TINY
+    with pytest.raises(openai.NotFoundError) as e:
+        c.models.retrieve("no-such/model")
+    assert e.value.body["code"] == "model_not_found"
 
 
 BAD = [

@@ -179,6 +179,18 @@ def test_stop_strings_and_stop_token_ids(server):
     assert len(r.choices[0].text) <= cut + 1
 
 
+def test_min_tokens_defers_stops_and_is_bounded_by_max_tokens(server):
+    c = client(server)
+    base = _greedy(c, max_tokens=16, extra_body={"ignore_eos": True}).choices[0].text
+    cut = next(i for i in range(2, len(base)) if base[i] not in base[:i] and base[i].isascii()
+               and base[i].isprintable())
+    r = _greedy(c, max_tokens=16, stop=[base[cut]], extra_body={"ignore_eos": True, "min_tokens": 16})
+    assert r.choices[0].text == base and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 16
+    bad = post(server, "/v1/completions", {"model": TINY, "prompt": "x", "max_tokens": 4, "min_tokens": 5})
+    assert bad.status_code == 400 and "min_tokens" in bad.json()["error"]["message"]
+
+
 def test_n_with_seed_reproduces_and_choice_i_uses_seed_plus_i(server):
     c = client(server)
     kw = dict(model=TINY, prompt=PROMPT, max_tokens=10, temperature=1.0)

@@ -260,6 +260,43 @@ def test_stop_token_ids_stop_at_that_token(tiny_model):
     assert_pool_clean(eng)
 
 
+def test_min_tokens_masks_eos_and_stop_ids_until_reached_then_they_stop(tiny_model):
+    eng = LLMEngine(TINY, loaded=tiny_model)
+    prompt = tuple(range(40, 60))
+    eos = min(eng.eos_ids)
+    full = ids(eng.generate([Request("f", prompt, SamplingParams(max_tokens=12, temperature=0.0))])["f"])
+    stop_id = full[0]  # greedy would stop at once on it
+    forced = dict(max_tokens=12, temperature=0.0, logit_bias={eos: 100.0})  # EOS always the argmax
+    plain = eng.generate([Request("p", prompt, SamplingParams(**forced))])["p"]
+    assert ids(plain) == [eos] and plain[-1].finish_reason == "stop"
+    outs = eng.generate([Request("m", prompt, SamplingParams(**forced, min_tokens=5)),
+                         Request("s", prompt, SamplingParams(max_tokens=12, temperature=0.0, min_tokens=3,
+                                                             stop_token_ids=(stop_id,)))])
+    got = ids(outs["m"])
+    assert len(got) == 6 and eos not in got[:5] and got[5] == eos and outs["m"][-1].finish_reason == "stop"
+    s = ids(outs["s"])
+    assert stop_id not in s[:3] and len(s) >= 4 and (s[-1] == stop_id or len(s) == 12)
+    assert_pool_clean(eng)
+
+
+def test_min_tokens_defers_stop_strings_to_text_after_it(tiny_model):
+    eng = LLMEngine(TINY, loaded=tiny_model)
+    prompt = tuple(range(40, 60))
+    full = eng.generate([Request("f", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))])["f"]
+    text = "".join(o.new_text for o in full)
+    stop = next((text[i:i + 2] for i in range(len(text) - 1) if text[i:i + 2].strip()), None)
+    if stop is None:
+        pytest.skip("the tiny model's greedy text has no printable pair")
+    first = eng.generate([Request("a", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                              stop=(stop,)))])["a"]
+    cut = "".join(o.new_text for o in first)
+    assert cut == text[: text.index(stop)]
+    deferred = eng.generate([Request("b", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                                 stop=(stop,), min_tokens=12))])["b"]
+    assert "".join(o.new_text for o in deferred) == text and deferred[-1].finish_reason == "length"
+    assert_pool_clean(eng)
+
+
 def test_plain_outputs_unchanged_by_feature_requests_in_the_batch(tiny_model):
     eng = LLMEngine(TINY, loaded=tiny_model)
     prompts = [tuple(range(3 + i, 23 + 2 * i)) for i in range(4)]
@@ -359,6 +396,7 @@ def test_n_under_preemption_and_a_full_pool_finishes_exactly(tiny_model):
     dict(presence_penalty=2.5), dict(frequency_penalty=float("nan")), dict(repetition_penalty=0.0),
     dict(repetition_penalty=3.0), dict(min_p=1.5), dict(logit_bias={5: 101.0}), dict(logit_bias={-1: 1.0}),
     dict(logit_bias="x"), dict(stop_token_ids=(1.5,)), dict(stop_token_ids="ab"), dict(temperature=float("inf")),
+    dict(min_tokens=-1), dict(min_tokens=17), dict(min_tokens=1.5),
     dict(grammar={"kind": "regex"}), dict(grammar={"kind": "json_schema"}), dict(grammar={"kind": "json_object", "x": 1}),
 ])
 def test_bad_sampling_params_are_invalid_requests(bad):
