@@ -750,7 +750,8 @@ class KvmeshIngress:
         k = body.num_logprobs if chat else body.logprobs
         reuse = (body.kvmesh.reuse if body.kvmesh and body.kvmesh.reuse else None) or tenant.reuse
         prefix = "chatcmpl" if chat else "cmpl"
-        rid = f"{prefix}-{uuid.uuid4().hex}"
+        engine_rid = f"{prefix}-{uuid.uuid4().hex}"  # unique whatever the client sends
+        rid = f"{prefix}-{body.request_id}" if body.request_id else engine_rid
         tid = body.kvmesh.template if body.kvmesh else None
         approx = {}
         if tid is not None:
@@ -784,7 +785,7 @@ class KvmeshIngress:
             if echo and k is not None:
                 d["prompt_logprobs"] = k
             requests.append(Request(
-                request_id=rid if len(prompts) == 1 else f"{rid}-{i}", prompt_ids=tuple(info.ids),
+                request_id=engine_rid if len(prompts) == 1 else f"{engine_rid}-{i}", prompt_ids=tuple(info.ids),
                 params=self._params(d), tenant=tenant.name, share_domain=domain,
                 reuse=reuse, read_domains=read, remap_policy=tenant.remap_policy,
                 recompute_ratio=tenant.recompute_ratio, **approx))

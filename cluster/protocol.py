@@ -108,7 +108,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "documents": ("not implemented", ()),
     "mm_processor_kwargs": ("the served models take text only", ()),
     "priority": ("priority scheduling is not implemented", (0,)),
-    "request_id": ("request ids are assigned by the server", ()),
     "prompt_logprobs": ("use echo with logprobs (completions)", ()),
 }
 # Unsupported only on one endpoint (the other endpoint supports or does not know them).
@@ -198,6 +197,8 @@ class _Body(_Strict):
     service_tier: Literal["auto", "default"] | None = None
     parallel_tool_calls: StrictBool | None = None  # without tools (rejected) it has no effect
     kvmesh: KvmeshOptions | None = None
+    # vLLM extension: names the response (id "cmpl-<request_id>"); engine ids stay the server's own
+    request_id: Annotated[str, Field(strict=True, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
     # vLLM's per-user cache isolation: requests with different salts never share KV
     cache_salt: StrictStr | None = Field(None, min_length=1, max_length=256)
 

@@ -191,6 +191,19 @@ def test_min_tokens_defers_stops_and_is_bounded_by_max_tokens(server):
     assert bad.status_code == 400 and "min_tokens" in bad.json()["error"]["message"]
 
 
+def test_client_request_id_names_the_response_and_may_repeat(server):
+    import concurrent.futures
+
+    c = client(server)
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        rs = list(ex.map(lambda _: _greedy(c, max_tokens=4, extra_body={"request_id": "job-7.a:1"}), range(2)))
+    assert [r.id for r in rs] == ["cmpl-job-7.a:1"] * 2 and rs[0].choices[0].text == rs[1].choices[0].text
+    chat = c.chat.completions.create(model=TINY, messages=MSGS, max_tokens=2, extra_body={"request_id": "x1"})
+    assert chat.id == "chatcmpl-x1"
+    bad = post(server, "/v1/completions", {"model": TINY, "prompt": "x", "max_tokens": 1, "request_id": "a b"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
+
+
 def test_n_with_seed_reproduces_and_choice_i_uses_seed_plus_i(server):
     c = client(server)
     kw = dict(model=TINY, prompt=PROMPT, max_tokens=10, temperature=1.0)
