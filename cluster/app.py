@@ -185,10 +185,11 @@ class _Ctx:
     into one response; closes every stream (ending its lease) exactly once."""
 
     def __init__(self, ing: "KvmeshIngress", tenant: str, endpoint: str, rid: str, requests: list[Request],
-                 chat: bool, leases: list, streams: list, firsts: list, asm: Assembler, include_usage: bool):
+                 chat: bool, leases: list, streams: list, firsts: list, asm: Assembler, include_usage: bool,
+                 continuous_usage: bool = False):
         self.ing, self.tenant, self.endpoint, self.rid, self.requests = ing, tenant, endpoint, rid, requests
         self.chat, self.leases, self.streams, self.firsts, self.asm = chat, leases, streams, firsts, asm
-        self.include_usage = include_usage
+        self.include_usage, self.continuous_usage = include_usage, continuous_usage
         self.model = ing.model_name
         self.created = int(time.time())
         self.lasts: list = [None] * len(requests)
@@ -281,6 +282,8 @@ class _Ctx:
         rid, code, asm, merged = self.rid, 200, self.asm, None
 
         def event(choices, use=None, kvmesh=None):
+            if use is None and self.continuous_usage:
+                use = asm.usage()  # so far
             return chunk_event(rid, self.model, self.created, self.chat, choices, use, kvmesh)
 
         try:
@@ -827,7 +830,7 @@ class KvmeshIngress:
         self.metrics.ttft.labels(tenant=tenant.name).observe(time.perf_counter() - t0)
         leases = [(ws.worker_id, choice.route) for ws, choice, _ in firsts]
         ctx = _Ctx(self, tenant.name, endpoint, rid, requests, chat, leases, streams, [first for _, _, first in firsts],
-                   asm, body.include_usage)
+                   asm, body.include_usage, body.continuous_usage)
         if body.is_stream:
             return ClosingStreamingResponse(ctx.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

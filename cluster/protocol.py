@@ -140,7 +140,7 @@ class KvmeshOptions(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: StrictBool | None = False
-    continuous_usage_stats: Literal[False] | None = None
+    continuous_usage_stats: StrictBool | None = False  # with include_usage: every chunk carries the usage so far
 
 
 class JsonSchemaFormat(_Strict):
@@ -209,6 +209,11 @@ class _Body(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's rule: per-chunk usage needs include_usage as well."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     @property
     def num_choices(self) -> int:

@@ -204,6 +204,21 @@ def test_client_request_id_names_the_response_and_may_repeat(server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server):
+    c = client(server)
+    chunks = list(_greedy(c, max_tokens=6, stream=True, extra_body={"ignore_eos": True},
+                          stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(ch.usage is not None for ch in chunks)
+    done = [ch.usage.completion_tokens for ch in chunks]
+    assert done == sorted(done) and done[-1] == 6 and chunks[-1].choices == []
+    assert len({ch.usage.prompt_tokens for ch in chunks}) == 1
+    chat = list(c.chat.completions.create(model=TINY, messages=MSGS, max_tokens=3, stream=True,
+                                          stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(ch.usage is not None for ch in chat) and chat[-1].usage.completion_tokens == chat[-2].usage.completion_tokens
+    plain = list(_greedy(c, max_tokens=3, stream=True, stream_options={"include_usage": True}))
+    assert [ch.usage is not None for ch in plain] == [False] * (len(plain) - 1) + [True]
+
+
 def test_n_with_seed_reproduces_and_choice_i_uses_seed_plus_i(server):
     c = client(server)
     kw = dict(model=TINY, prompt=PROMPT, max_tokens=10, temperature=1.0)
