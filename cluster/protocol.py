@@ -85,7 +85,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     # vLLM extensions
     "use_beam_search": ("beam search is not implemented", (False,)),
     "length_penalty": ("beam search is not implemented", (1, 1.0)),
-    "include_stop_str_in_output": ("not implemented", (False,)),
     "skip_special_tokens": ("special tokens are always skipped in the text", (True,)),
     "spaces_between_special_tokens": ("not implemented", (True,)),
     "truncate_prompt_tokens": ("prompts are never truncated; a too long prompt is a 400", ()),
@@ -188,6 +187,7 @@ class _Body(_Strict):
         max_length=1024, json_schema_extra={"additionalProperties": False})] | None = None  # token id -> bias
     ignore_eos: StrictBool | None = False  # vLLM extension
     min_tokens: _int(ge=0) | None = None  # vLLM extension: no EOS / stop before this many tokens
+    include_stop_str_in_output: StrictBool | None = False  # vLLM extension
     return_tokens_as_token_ids: StrictBool | None = None  # vLLM extension: logprob tokens as "token_id:<id>"
     response_format: ResponseFormat | None = None  # (completions: vLLM extension)
     # harmless metadata, accepted and without effect
@@ -236,6 +236,8 @@ class _Body(_Strict):
             d["ignore_eos"] = True
         if self.min_tokens:
             d["min_tokens"] = self.min_tokens
+        if self.include_stop_str_in_output and self.stop:
+            d["include_stop_str"] = True
         for name in ("temperature", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             v = getattr(self, name)

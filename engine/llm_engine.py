@@ -567,7 +567,7 @@ class LLMEngine:
         for s in seq.params.stop:
             idx = seq.text.find(s, max(start, seq.stop_from - len(s) + 1))
             if idx != -1:
-                seq.text = seq.text[:idx]
+                seq.text = seq.text[: idx + len(s) if seq.params.include_stop_str else idx]
                 return "stop"
         return None
 

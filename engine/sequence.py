@@ -60,6 +60,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None  # choice i of n uses seed + i
     ignore_eos: bool = False
+    include_stop_str: bool = False  # a matched stop string stays in the text (vLLM include_stop_str_in_output)
     min_tokens: int = 0  # before this many output tokens: EOS and stop_token_ids are masked, stop strings unchecked
     n: int = 1
     logprobs: int | None = None  # top-k alternatives per generated token (0: the chosen only)

@@ -173,6 +173,8 @@ def test_stop_strings_and_stop_token_ids(server):
                and base[i].isprintable())  # its first occurrence is at i
     r = _greedy(c, max_tokens=16, stop=["\x00never", base[cut]])
     assert r.choices[0].text == base[:cut] and r.choices[0].finish_reason == "stop"
+    r = _greedy(c, max_tokens=16, stop=[base[cut]], extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text == base[: cut + 1] and r.choices[0].finish_reason == "stop"
     tid = base[cut].encode()[0] + 3
     r = _greedy(c, max_tokens=16, extra_body={"stop_token_ids": [tid]})
     assert r.choices[0].finish_reason == "stop" and base.startswith(r.choices[0].text)
