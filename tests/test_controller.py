@@ -58,10 +58,12 @@ def complete(cluster, prompt, key="sk-acme", max_tokens=4):
 
 
 def wait_until(pred, what, timeout_s=60.0):
+    """Poll ``pred`` until it returns something truthy (bounded); returns that value."""
     deadline = time.monotonic() + timeout_s
-    while not pred():
+    while not (got := pred()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
+    return got
 
 
 def _controller_gone(ray, app: str) -> bool:
@@ -191,6 +193,9 @@ def test_two_replicas_share_one_controller_and_one_worker(cluster):
         codes = list(ex.map(lambda i: complete(cluster, f"request number {i} to either replica").status_code,
                             range(24)))
     assert codes == [200] * 24
+    # a replica ends each lease with a fire-and-forget ``end`` after its response went out: the
+    # controller may see the last ones after this test's next call
+    wait_until(lambda: not any(c["leases"] for c in snapshot(cluster)["clients"].values()), "the leases to end")
     snap = snapshot(cluster)
     assert len(snap["clients"]) == 2  # both ingress replicas attached to the one controller
     assert all(c["begun"] > 0 for c in snap["clients"].values())  # and both served requests
@@ -239,9 +244,14 @@ def test_lease_of_a_vanished_client_is_reclaimed(cluster):
     assert len(snap["clients"]) == 2  # the live replicas stay attached
 
 
-def _engines(cluster):  # pool-wide counts: the admin view (a tenant sees only its own state)
+def _idle_engines(cluster) -> list | None:  # pool-wide counts: the admin view (a tenant sees only its own)
+    """The engines' stats once every worker answered (one slower than the pool's stats timeout
+    shows ``engine`` None: then nothing is known yet) and none runs or queues a request; else None."""
     r = http(cluster).get("/kvmesh/workers", headers={"Authorization": "Bearer sk-admin"})
-    return [w["engine"] for w in r.json()["workers"] if w["engine"]]
+    engines = [w["engine"] for w in r.json()["workers"]]
+    if engines and all(e is not None and e["running"] == 0 and e["waiting"] == 0 for e in engines):
+        return engines
+    return None
 
 
 def test_client_disconnect_mid_stream_frees_blocks_and_the_lease(cluster):
@@ -251,8 +261,7 @@ def test_client_disconnect_mid_stream_frees_blocks_and_the_lease(cluster):
         assert r.status_code == 200
         it = r.iter_lines()
         assert any(next(it).startswith("data: {") for _ in range(4))
-    wait_until(lambda: all(e["running"] == 0 and e["waiting"] == 0 for e in _engines(cluster)), "the abort")
-    engines = _engines(cluster)
+    engines = wait_until(lambda: _idle_engines(cluster), "the abort")
     solo = [e["tenants"]["solo"] for e in engines if "solo" in e["tenants"]]
     assert solo and all(t["output_tokens"] < 900 for t in solo)  # 0: aborted, never finished
     assert all(e["free_blocks"] == e["num_blocks"] for e in engines)
