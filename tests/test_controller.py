@@ -3,8 +3,8 @@
 Tiny model on Ray Serve (127.0.0.1). The tests run in order on one app: sharing, a vanished
 client's lease reclaimed, a disconnect mid-stream, a configuration mismatch, then deleting the
 app stops the controller and its workers. Before them, pool-level tests with fake worker actors
-(no Ray cluster): an unreachable worker is kept, stats are asked concurrently, the GPU count is
-resolved by the controller only.
+(no Ray cluster): an unreachable worker is kept, close waits for its killed actors to be dead,
+stats are asked concurrently, the GPU count is resolved by the controller only.
 """
 
 import asyncio
@@ -136,6 +136,39 @@ async def test_an_unreachable_worker_fails_the_request_with_503_but_stays_in_the
     with pytest.raises(WorkerDied):
         await _drain(pool.generate(_request("died")))
     assert pool.workers == {} and ws.dead and killed == [ws.actor]  # only a dead worker leaves the pool
+
+
+async def test_close_returns_only_once_the_killed_workers_and_router_fail_a_call(monkeypatch):
+    """``ray.kill`` only asks for the kill; the controller exits right after ``close``, so close
+    waits until each killed actor fails a call with ``ActorDiedError`` (fakes: no Ray needed)."""
+    import ray
+
+    from cluster.pool import PoolConfig, WorkerPool, WorkerState
+
+    killed = []
+    monkeypatch.setattr(ray, "kill", lambda actor, **kw: killed.append(actor))
+
+    class _Dying:  # answers ``answers`` calls after its kill, then is dead
+        def __init__(self, answers: int):
+            self.answers, self.asked = answers, 0
+            self.__ray_ready__ = _Method(self._ready)
+
+        def _ready(self):
+            self.asked += 1
+
+            async def answer():
+                if self.asked > self.answers:
+                    raise ray.exceptions.ActorDiedError()
+                return True
+            return answer()
+
+    pool = WorkerPool(PoolConfig(app="t", cost_aware_routing=False))
+    worker, router = _Dying(2), _Dying(3)
+    pool.workers["t-w0"] = WorkerState("t-w0", worker, info={})
+    pool._router_actor = router
+    await pool.close()
+    assert killed == [worker, router] and pool.workers == {} and pool._router_actor is None
+    assert (worker.asked, router.asked) == (3, 4)  # asked until the call failed, not once
 
 
 async def test_worker_stats_are_asked_concurrently():
