@@ -11,7 +11,9 @@ Invariants:
   * a node exists iff at least one live worker holds it (``node.workers != 0``);
   * bit ``s`` is set in some node only while worker slot ``s`` is registered;
   * ``node.domain`` is the domain the block was stored under; a lookup chain hashed for domain
-    ``d`` only matches nodes of domain ``d`` (isolation does not rest on hashes alone).
+    ``d`` only matches nodes of domain ``d``, at every position of a worker's run (isolation
+    does not rest on hashes alone: a lying feed may file a block of ``d``'s chain under another
+    domain, and the run ends there).
 Feeds: each worker sends batches numbered 0, 1, 2, ...; batch 0 (and any batch after a gap)
 must carry a full snapshot that *replaces* the worker's holdings, so duplicated, lost or stale
 events heal at the next snapshot. Batches of different workers are independent.
@@ -33,9 +35,10 @@ STORED, REMOVED = 0, 1  # event kinds on the wire
 
 class _Node:
     """One cached block. ``workers``: slots holding it; ``full``: slots holding it *and* every
-    ancestor (so ``full`` only shrinks along a chain). ``parent`` is the parent's hash (the
-    parent node's key object when known, so the bytes are shared); ``children`` is None, one
-    node, or a set of nodes (chains are mostly linear, so sets are rare)."""
+    ancestor, all of its own domain (so ``full`` only shrinks along a chain, and is empty below
+    a change of domain). ``parent`` is the parent's hash (the parent node's key object when
+    known, so the bytes are shared); ``children`` is None, one node, or a set of nodes (chains
+    are mostly linear, so sets are rare)."""
 
     __slots__ = ("key", "parent", "children", "workers", "full", "domain", "last")
 
@@ -98,9 +101,10 @@ class _Feed:
 class PrefixIndex:
     """Prefix trie over block hashes with per-worker holdings; lookups count leading tokens.
 
-    Beyond the module invariants: ``full(n) = {w : w holds n and all its ancestors}``, hence
-    ``full(child) ⊆ full(parent)``; a node whose parent node is absent is an *orphan*, filed
-    under its parent's hash until that node appears (out-of-order or partial holdings).
+    Beyond the module invariants: ``full(n) = {w : w holds n and all its ancestors}`` when every
+    ancestor has ``n``'s domain, else empty; hence ``full(child) ⊆ full(parent)``; a node whose
+    parent node is absent is an *orphan*, filed under its parent's hash until that node appears
+    (out-of-order or partial holdings).
     """
 
     def __init__(self, block_size: int = 16, clock: Callable[[], float] = time.monotonic):
@@ -185,8 +189,9 @@ class PrefixIndex:
 
     def _runs(self, domain: Domain, chain: Sequence[BlockHash], now: float) -> list[tuple[int, int]]:
         """[(worker bits, blocks)]: each worker's run of leading blocks of ``chain`` that it holds
-        with every ancestor. ``full`` only shrinks along a chain, so each distinct run end is
-        found by one binary search (about log2 n probes)."""
+        with every ancestor, all of ``domain``. ``full`` only shrinks along a chain, so each
+        distinct run end is found by one binary search (about log2 n probes); a probed node of
+        another domain counts as held by none, and every node past it has an empty ``full``."""
         nodes, n, out = self._nodes, len(chain), []
         if not n:
             return out
@@ -351,16 +356,17 @@ class PrefixIndex:
             return
         node.workers |= bit
         feed.blocks += 1
-        if node.parent is None or (p is not None and p.full & bit):
+        if node.parent is None or (p is not None and p.full & bit and p.domain == node.domain):
             self._set_full(node, bit)
 
     def _set_full(self, node: _Node, bit: int) -> None:
-        """Mark ``node`` full for ``bit`` and every descendant run the worker holds below it."""
+        """Mark ``node`` full for ``bit`` and every descendant run the worker holds below it in
+        ``node``'s domain."""
         stack = [node]
         while stack:
             n = stack.pop()
             n.full |= bit
-            stack.extend(c for c in _kids(n) if c.workers & bit and not c.full & bit)
+            stack.extend(c for c in _kids(n) if c.workers & bit and not c.full & bit and c.domain == n.domain)
 
     def _clear_full(self, node: _Node, bit: int) -> None:
         stack = [node]

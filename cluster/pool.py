@@ -58,6 +58,8 @@ from engine.sequence import InvalidRequest, Request, RequestOutput
 from policies.autoscale import AutoscaleConfig, ScaleDecision, TenantAutoscaler, TenantDemand, TenantShare
 
 log = logging.getLogger(__name__)
+
+CLOSE_WAIT_S = 10.0  # WorkerPool.close waits at most this long for its killed actors to be gone
 ROUTER_RESYNC_S = 30.0  # sync_router resends an unchanged worker set this often (a safety net)
 
 
@@ -166,18 +168,26 @@ class WorkerPool:
             return False
 
     async def close(self) -> None:
+        """Stop the pool's loops, kill its workers and its router actor, and return once Ray
+        reports each of them dead (at most ``CLOSE_WAIT_S``). ``ray.kill`` only asks for the
+        kill: the actor goes on answering calls until its process has gone, and the controller
+        exits right after ``close``, so whoever sees the controller gone may take its workers
+        and router to be gone too."""
         if self._loop_task is not None:
             self._loop_task.cancel()
         for t in list(self._tasks):
             t.cancel()
+        doomed = [w.actor for w in self.workers.values()]
         for w in list(self.workers.values()):
             self._kill(w)
         if self._router_actor is not None:  # ours (its owner); killed now, not when the owner's death
             try:                             # reaches it (asynchronous: it answered calls meanwhile)
                 ray.kill(self._router_actor, no_restart=True)
+                doomed.append(self._router_actor)
             except Exception as e:  # noqa: BLE001 - already gone
                 log.debug("router kill failed: %r", e)
             self._router_actor = self._router_client = None
+        await _until_dead(doomed, CLOSE_WAIT_S)
 
     def model_info(self) -> dict | None:
         """``ready()`` of any ready worker (model name, max_model_len, block size)."""
@@ -608,6 +618,28 @@ def prefill_sample(out: RequestOutput) -> tuple[int, float, int] | None:
 
 async def _aref(ref):
     return await ref
+
+
+async def _until_dead(actors: list, timeout_s: float) -> None:
+    """Return once every actor of ``actors`` (killed already) fails a call with
+    ``ActorDiedError``, or after ``timeout_s``. An answer means it still runs: asked again."""
+    async def one(actor) -> None:
+        while True:
+            try:
+                await actor.__ray_ready__.remote()
+            except ray.exceptions.ActorDiedError:
+                return
+            except ray.exceptions.ActorUnavailableError:  # unreachable for now: not dead yet
+                pass
+            except Exception:  # noqa: BLE001 - not an actor handle (tests' fakes): nothing to wait for
+                return
+            await asyncio.sleep(0.05)
+
+    if actors:
+        try:
+            await asyncio.wait_for(asyncio.gather(*(one(a) for a in actors)), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("some of %d killed actors still answered after %.0f s", len(actors), timeout_s)
 
 
 def _first_line(e: BaseException) -> str:

@@ -3,8 +3,8 @@
 Tiny model on Ray Serve (127.0.0.1). The tests run in order on one app: sharing, a vanished
 client's lease reclaimed, a disconnect mid-stream, a configuration mismatch, then deleting the
 app stops the controller and its workers. Before them, pool-level tests with fake worker actors
-(no Ray cluster): an unreachable worker is kept, stats are asked concurrently, the GPU count is
-resolved by the controller only.
+(no Ray cluster): an unreachable worker is kept, close waits for its killed actors to be dead,
+stats are asked concurrently, the GPU count is resolved by the controller only.
 """
 
 import asyncio
@@ -58,10 +58,12 @@ def complete(cluster, prompt, key="sk-acme", max_tokens=4):
 
 
 def wait_until(pred, what, timeout_s=60.0):
+    """Poll ``pred`` until it returns something truthy (bounded); returns that value."""
     deadline = time.monotonic() + timeout_s
-    while not pred():
+    while not (got := pred()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
+    return got
 
 
 def _controller_gone(ray, app: str) -> bool:
@@ -136,6 +138,39 @@ async def test_an_unreachable_worker_fails_the_request_with_503_but_stays_in_the
     assert pool.workers == {} and ws.dead and killed == [ws.actor]  # only a dead worker leaves the pool
 
 
+async def test_close_returns_only_once_the_killed_workers_and_router_fail_a_call(monkeypatch):
+    """``ray.kill`` only asks for the kill; the controller exits right after ``close``, so close
+    waits until each killed actor fails a call with ``ActorDiedError`` (fakes: no Ray needed)."""
+    import ray
+
+    from cluster.pool import PoolConfig, WorkerPool, WorkerState
+
+    killed = []
+    monkeypatch.setattr(ray, "kill", lambda actor, **kw: killed.append(actor))
+
+    class _Dying:  # answers ``answers`` calls after its kill, then is dead
+        def __init__(self, answers: int):
+            self.answers, self.asked = answers, 0
+            self.__ray_ready__ = _Method(self._ready)
+
+        def _ready(self):
+            self.asked += 1
+
+            async def answer():
+                if self.asked > self.answers:
+                    raise ray.exceptions.ActorDiedError()
+                return True
+            return answer()
+
+    pool = WorkerPool(PoolConfig(app="t", cost_aware_routing=False))
+    worker, router = _Dying(2), _Dying(3)
+    pool.workers["t-w0"] = WorkerState("t-w0", worker, info={})
+    pool._router_actor = router
+    await pool.close()
+    assert killed == [worker, router] and pool.workers == {} and pool._router_actor is None
+    assert (worker.asked, router.asked) == (3, 4)  # asked until the call failed, not once
+
+
 async def test_worker_stats_are_asked_concurrently():
     from cluster.pool import PoolConfig, WorkerPool, WorkerState
 
@@ -191,6 +226,9 @@ def test_two_replicas_share_one_controller_and_one_worker(cluster):
         codes = list(ex.map(lambda i: complete(cluster, f"request number {i} to either replica").status_code,
                             range(24)))
     assert codes == [200] * 24
+    # a replica ends each lease with a fire-and-forget ``end`` after its response went out: the
+    # controller may see the last ones after this test's next call
+    wait_until(lambda: not any(c["leases"] for c in snapshot(cluster)["clients"].values()), "the leases to end")
     snap = snapshot(cluster)
     assert len(snap["clients"]) == 2  # both ingress replicas attached to the one controller
     assert all(c["begun"] > 0 for c in snap["clients"].values())  # and both served requests
@@ -239,9 +277,14 @@ def test_lease_of_a_vanished_client_is_reclaimed(cluster):
     assert len(snap["clients"]) == 2  # the live replicas stay attached
 
 
-def _engines(cluster):  # pool-wide counts: the admin view (a tenant sees only its own state)
+def _idle_engines(cluster) -> list | None:  # pool-wide counts: the admin view (a tenant sees only its own)
+    """The engines' stats once every worker answered (one slower than the pool's stats timeout
+    shows ``engine`` None: then nothing is known yet) and none runs or queues a request; else None."""
     r = http(cluster).get("/kvmesh/workers", headers={"Authorization": "Bearer sk-admin"})
-    return [w["engine"] for w in r.json()["workers"] if w["engine"]]
+    engines = [w["engine"] for w in r.json()["workers"]]
+    if engines and all(e is not None and e["running"] == 0 and e["waiting"] == 0 for e in engines):
+        return engines
+    return None
 
 
 def test_client_disconnect_mid_stream_frees_blocks_and_the_lease(cluster):
@@ -251,8 +294,7 @@ def test_client_disconnect_mid_stream_frees_blocks_and_the_lease(cluster):
         assert r.status_code == 200
         it = r.iter_lines()
         assert any(next(it).startswith("data: {") for _ in range(4))
-    wait_until(lambda: all(e["running"] == 0 and e["waiting"] == 0 for e in _engines(cluster)), "the abort")
-    engines = _engines(cluster)
+    engines = wait_until(lambda: _idle_engines(cluster), "the abort")
     solo = [e["tenants"]["solo"] for e in engines if "solo" in e["tenants"]]
     assert solo and all(t["output_tokens"] < 900 for t in solo)  # 0: aborted, never finished
     assert all(e["free_blocks"] == e["num_blocks"] for e in engines)

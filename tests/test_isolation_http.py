@@ -76,18 +76,26 @@ def index_cross_reads(server) -> dict:
     return server["ray"].get(get_index().read_stats.remote(), timeout=30)["cross_tenant_reads"]
 
 
-def index_blocks(server) -> int:
+def wait_indexed(server, key: str, domain: str, prompt: str = PROMPT, timeout_s: float = 30.0) -> None:
+    """Wait until the index shows a worker holding every reusable block of ``prompt`` (as ``key``'s
+    tenant sends it) under ``domain``. The workers publish their blocks in the background (10 Hz):
+    a lookup made before a chain is published finds nothing and counts no read. (Waiting for the
+    index's block count to grow is not enough: an earlier request's blocks may be what arrives.)
+    The probe reads ``domain`` as its own tenant: it counts no cross-tenant read."""
     from actors.index_actor import get_index
+    from engine.block_pool import prompt_chains
 
-    return server["ray"].get(get_index().stats.remote(), timeout=30)["blocks"]
-
-
-def wait_index_blocks_above(server, n: int, timeout_s: float = 30.0) -> None:
-    """The workers publish their blocks to the index in the background (10 Hz): a lookup
-    made before a chain is published finds nothing and counts no read."""
+    ray, index = server["ray"], get_index()
+    r = http(server).post("/tokenize", headers={"Authorization": f"Bearer {key}"}, json={"model": TINY, "prompt": prompt})
+    assert r.status_code == 200, r.text
+    handles = ray.get(index.worker_handles.remote(), timeout=30)
+    info = ray.get(next(iter(handles.values())).ready.remote(), timeout=30)  # model id and block size
+    chains = prompt_chains(r.json()["tokens"], info["block_size"], info["model_id"], [domain])
+    want = len(chains[domain]) * info["block_size"]
+    assert want > 0
     deadline = time.monotonic() + timeout_s
-    while index_blocks(server) <= n:
-        assert time.monotonic() < deadline, "the index never received the new blocks"
+    while max(ray.get(index.lookup.remote(chains), timeout=30).values(), default=0) < want:
+        assert time.monotonic() < deadline, f"the index never showed {domain}'s blocks of the prompt"
         time.sleep(0.05)
 
 
@@ -115,9 +123,8 @@ def test_no_tenant_reads_another_without_a_grant(server):
     assert cached(server, "sk-acme", p, kvmesh={"reuse": "approximate"}) == 0
     assert engine_cross_reads(server) == {} and index_cross_reads(server) == {}
     # the grant acme -> globex is the only way across, and both counters see it
-    before = index_blocks(server)
     assert cached(server, "sk-acme", PROMPT) == 0
-    wait_index_blocks_above(server, before)  # else globex's lookup may precede acme's publish
+    wait_indexed(server, "sk-acme", "acme")  # else globex's lookup may precede acme's publish
     assert cached(server, "sk-globex", PROMPT) > 0
     assert engine_cross_reads(server).keys() == {"globex<-acme"}
     assert index_cross_reads(server).keys() == {"globex<-acme"}

@@ -160,12 +160,12 @@ def check_consistent(idx: PrefixIndex, model: Model):
         full = set()
         for w in owners:
             a, seen = model.parent[h], {h}
-            while a is not None and (w, a) in model.held and a not in seen:
+            while a is not None and (w, a) in model.held and a not in seen and model.domain[a] == model.domain[h]:
                 seen.add(a)
                 a = model.parent[a]
             if a is None:
                 full.add(w)
-        assert set(idx._owners(node.full)) == full, "full = holds the node and every ancestor"
+        assert set(idx._owners(node.full)) == full, "full = holds the node and every ancestor, all of its domain"
         kids = set(node.children) if type(node.children) is set else {node.children} - {None}
         assert kids == {c for c in nodes.values() if c.parent == h}
     for ph, kids in idx._orphans.items():

@@ -2,6 +2,7 @@
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -265,7 +266,7 @@ def ray_local():
 
 
 async def test_router_actor_decides_and_client_falls_back(ray_local):
-    from actors.router import RouterClient, get_or_create_router
+    from actors.router import ROUTER_NAME, ROUTER_NAMESPACE, RouterClient, get_or_create_router
     ray = ray_local
     h = get_or_create_router(CostConfig(block_size=BS, bytes_per_token=BPT))
     assert get_or_create_router() is not None  # same name: the existing actor
@@ -285,7 +286,14 @@ async def test_router_actor_decides_and_client_falls_back(ray_local):
     gone = RouterClient(None, timeout_s=1.0)
     gone._handle = None
     ray.kill(h)
-    await asyncio.sleep(0.5)
+    deadline = time.monotonic() + 30  # ray.kill only asks for the kill: wait until the name is gone
+    while True:
+        try:
+            ray.get_actor(ROUTER_NAME, namespace=ROUTER_NAMESPACE)
+        except ValueError:
+            break
+        assert time.monotonic() < deadline, "the killed router actor is still registered"
+        await asyncio.sleep(0.05)
     assert await gone.decide(10, {}) is None
 
 
