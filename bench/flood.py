@@ -104,15 +104,20 @@ def pct(xs, q) -> float:
 
 def victim_state(client) -> dict:
     r = client.get("/kvmesh/workers", headers={"Authorization": "Bearer sk-flood-admin"}).json()
-    out = {"blocks_held": 0, "evictions": 0, "flooder_blocks_held": 0, "flooder_evictions": 0, "num_blocks": 0}
+    out = {"blocks_held": 0, "evictions": 0, "flooder_blocks_held": 0, "flooder_evictions": 0, "num_blocks": 0,
+           "steps": 0, "interrupted_steps": 0, "flooder_requests": 0, "flooder_output_tokens": 0}
     for w in r["workers"]:
         e = w.get("engine") or {}
         out["num_blocks"] += e.get("num_blocks", 0)
+        out["steps"] += e.get("steps", 0)
+        out["interrupted_steps"] += e.get("interrupted_steps", 0)
         t = e.get("tenants", {})
         out["blocks_held"] += t.get("victim", {}).get("blocks_held", 0)
         out["evictions"] += t.get("victim", {}).get("evictions", 0)
         out["flooder_blocks_held"] += t.get("flooder", {}).get("blocks_held", 0)
         out["flooder_evictions"] += t.get("flooder", {}).get("evictions", 0)
+        out["flooder_requests"] += t.get("flooder", {}).get("requests", 0)
+        out["flooder_output_tokens"] += t.get("flooder", {}).get("output_tokens", 0)
     return out
 
 
@@ -269,6 +274,10 @@ def main() -> None:
                     help="app argument engine_thread_nice (e.g. -5: the engine thread before the HTTP front end; root)")
     ap.add_argument("--low-prefill-tokens", type=int, default=None,
                     help="app argument low_priority_prefill_tokens (default: the app's, 32)")
+    ap.add_argument("--guarded-alone", action=argparse.BooleanOptionalAction, default=True,
+                    help="app argument guarded_steps_alone (a guarded prefill step carries no lower-class decodes)")
+    ap.add_argument("--interrupt", action=argparse.BooleanOptionalAction, default=True,
+                    help="app argument interrupt_for_guarded (a lower-class step is abandoned for a guarded arrival)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench/results/flood.json"))
     # the flooder process's own arguments (set by start_flooders)
@@ -300,6 +309,7 @@ def main() -> None:
         serve.run(build_app({"model": args.model, "tenants": str(tmp / "tenants.yaml"),
                              "kv_cache_bytes": args.kv_cache_bytes, "worker_num_cpus": 1,
                              "reject_delay_s": args.reject_delay_s, "engine_thread_nice": args.engine_nice,
+                             "guarded_steps_alone": args.guarded_alone, "interrupt_for_guarded": args.interrupt,
                              **({"low_priority_prefill_tokens": args.low_prefill_tokens}
                                 if args.low_prefill_tokens is not None else {})}),
                   name="flood", route_prefix="/")
@@ -330,6 +340,7 @@ def main() -> None:
                              time.monotonic() + args.phase_s, sent_alone)
         cpu = {"alone": cpu_delta(cpu0, cpu_by_process(), time.monotonic() - t0)}
         load["alone_end"] = os.getloadavg()
+        mid = victim_state(client)
 
         proc = start_flooders(args, base, vocab, model)
         try:
@@ -365,6 +376,13 @@ def main() -> None:
         "victim_blocks": {"before": before["blocks_held"], "after": after["blocks_held"],
                           "min_blocks": args.victim_min_blocks, "evictions": after["evictions"]},
         "victim_system_prompt_cached_tokens_after": system_hit,
+        "engine_steps": {"alone": {"steps": mid["steps"] - before["steps"],
+                                   "interrupted": mid["interrupted_steps"] - before["interrupted_steps"]},
+                         "flood": {"steps": after["steps"] - mid["steps"],
+                                   "interrupted": after["interrupted_steps"] - mid["interrupted_steps"],
+                                   "flooder_requests_engine": after["flooder_requests"] - mid["flooder_requests"],
+                                   "flooder_output_tokens_engine": (after["flooder_output_tokens"]
+                                                                    - mid["flooder_output_tokens"])}},
         "victim_samples": {"alone": [[round(a, 3), round(1e3 * b, 1)] for a, b in zip(sent_alone, alone)],
                            "flood": [[round(a, 3), round(1e3 * b, 1)] for a, b in zip(sent_flood, flooded)],
                            "columns": ["sent_unix_s", "ttft_ms"]},
@@ -401,6 +419,10 @@ def main() -> None:
           f" evictions {after['evictions']}); system prompt cached after: {system_hit} tokens")
     print(f"flooder: {flood['attempts']} attempts, {flood['ok']} served, {flood['429']} x 429 "
           f"(Retry-After on all: {len(retry) == flood['429']}), {flood['other']} other errors")
+    es = res["engine_steps"]
+    print(f"engine steps alone {es['alone']['steps']} (interrupted {es['alone']['interrupted']}); flood "
+          f"{es['flood']['steps']} (interrupted {es['flood']['interrupted']}; interrupt_for_guarded {args.interrupt}, "
+          f"guarded_steps_alone {args.guarded_alone})")
     print(f"load average (1/5/15 min): {load}")
     for phase, procs in cpu.items():
         top = ", ".join(f"{k} {v['cores']:.2f}" for k, v in list(procs.items())[:8])
