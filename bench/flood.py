@@ -247,6 +247,45 @@ def cpu_delta(a: dict[str, float], b: dict[str, float], seconds: float) -> dict[
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["cpu_s"]))
 
 
+def trace_summary(tdir: Path, samples: list) -> dict:
+    """Per victim sample (send time, TTFT) from the engine's step trace: client send -> worker
+    ``generate`` (``path_in``), -> the engine thread adds it (``to_engine``: waiting out the step
+    in progress), -> its first step starts (``engine_wait``), that step (``step``, with the other
+    tenants' rows in it), the rest (``path_out``); p50/p90/max and the five slowest requests."""
+    recs = [json.loads(line) for f in sorted(tdir.glob("steps-*.jsonl")) for line in f.read_text().splitlines()]
+    recs.sort(key=lambda r: r["t"])
+    gens = [r["t"] for r in recs if r["ev"] == "gen" and r["tenant"] == "victim"]
+    adds = [r["t"] for r in recs if r["ev"] == "add" and r["tenant"] == "victim"]
+    steps = [r for r in recs if r["ev"] == "step"]
+    rows = []
+    for sent, ttft in samples:
+        g = next((t for t in gens if t >= sent), None)
+        a = next((t for t in adds if g is not None and t >= g), None)
+        st = next((r for r in steps if a is not None and r["t"] >= a and "victim" in r["tok"]
+                   and not r["interrupted"]), None)
+        if g is None or a is None or st is None or g - sent > 5:
+            continue
+        running = next((r for r in reversed(steps) if r["t"] <= g), None)  # the step in progress at arrival
+        d = {"ttft": ttft, "path_in": 1e3 * (g - sent), "to_engine": 1e3 * (a - g), "engine_wait": 1e3 * (st["t"] - a),
+             "step": 1e3 * st["dt"]}
+        d["path_out"] = ttft - sum(d[k] for k in ("path_in", "to_engine", "engine_wait", "step"))
+        d["step_others"] = {k: v for k, v in st["tok"].items() if k != "victim"}
+        d["in_progress"] = ({"tok": running["tok"], "dt": 1e3 * running["dt"], "interrupted": running["interrupted"]}
+                            if running else None)
+        rows.append(d)
+    keys = ("ttft", "path_in", "to_engine", "engine_wait", "step", "path_out")
+    out = {k: {"p50": pct([r[k] / 1e3 for r in rows], .5), "p90": pct([r[k] / 1e3 for r in rows], .9),
+               "max": max((r[k] for r in rows), default=float("nan"))} for k in keys}
+    flood_steps = [r for r in steps if "victim" not in r["tok"]]
+    out["n"] = len(rows)
+    out["slowest"] = [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()}
+                      for r in sorted(rows, key=lambda r: -r["ttft"])[:5]]
+    out["lower_class_steps"] = {"n": len(flood_steps), "interrupted": sum(r["interrupted"] for r in flood_steps),
+                                "dt_ms_p50": pct([r["dt"] for r in flood_steps if not r["interrupted"]], .5),
+                                "dt_ms_max": 1e3 * max((r["dt"] for r in flood_steps), default=float("nan"))}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
@@ -278,6 +317,8 @@ def main() -> None:
                     help="app argument guarded_steps_alone (a guarded prefill step carries no lower-class decodes)")
     ap.add_argument("--interrupt", action=argparse.BooleanOptionalAction, default=True,
                     help="app argument interrupt_for_guarded (a lower-class step is abandoned for a guarded arrival)")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="engine per-step trace (engine/step_trace.py): where each flooded victim request waited")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench/results/flood.json"))
     # the flooder process's own arguments (set by start_flooders)
@@ -302,6 +343,8 @@ def main() -> None:
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="kvmesh-flood-"))
     (tmp / "tenants.yaml").write_text(yaml.safe_dump(tenants(args)))
+    if args.step_trace:  # inherited by the Ray workers this driver starts
+        os.environ["KVMESH_STEP_TRACE_DIR"] = str(tmp / "trace")
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -400,6 +443,8 @@ def main() -> None:
         "args": vars(args), "seconds": time.monotonic() - t_start,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
     }
+    if args.step_trace:
+        res["step_trace"] = {ph: trace_summary(tmp / "trace", res["victim_samples"][ph]) for ph in ("alone", "flood")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     v = res["victim_ttft_ms"]

@@ -20,6 +20,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from typing import AsyncIterator, Callable
 
 from engine.llm_engine import EngineBroken, EngineConfig, LLMEngine
@@ -218,6 +219,8 @@ class AsyncEngine:
                     if guarded is not None:
                         arrivals.done(guarded)
 
+            if self.engine.trace.on:
+                self.engine.trace.write({"ev": "gen", "t": time.time(), "tenant": request.tenant})
             if guarded is not None:
                 arrivals.note(guarded)
             try:

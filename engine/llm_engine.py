@@ -25,6 +25,7 @@ from engine.sampler import SampleResult, SampleRow, sample, sample_isolated
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.slot_pool import DonorPayload
 from engine.step_interrupt import ArrivalSignal, StepInterrupted
+from engine.step_trace import StepTrace
 from engine.sequence import (REUSE_MODES, InvalidRequest, Request, RequestOutput, SeqGroup, Sequence,
                              SequenceStatus, TokenLogprob)
 from engine.tokenizer import IncrementalDetokenizer
@@ -125,6 +126,7 @@ class LLMEngine:
         self.arrivals = ArrivalSignal()
         self.num_interrupted_steps = 0
         self._interrupted_last = False
+        self.trace = StepTrace()  # off unless KVMESH_STEP_TRACE_DIR is set (engine/step_trace.py)
         self.num_forward_tokens = 0  # tokens run through the model (prefill chunks + decodes)
         self.sample_s = 0.0  # time in the batched sampler (masks, logprobs, appends) over all steps
         self.vocab_size = mcfg.vocab_size
@@ -201,6 +203,8 @@ class LLMEngine:
             seq.prompt_lp = [None] * seq.num_prompt
         self.seqs[request.request_id] = seq
         self.scheduler.add(seq)
+        if self.trace.on:
+            self.trace.write({"ev": "add", "t": time.time(), "tenant": request.tenant})
 
     def abort(self, request_id: str, index: int | None = None) -> RequestOutput | None:
         """Abort a request (every choice), or only its choice ``index``; releases their blocks.
@@ -262,7 +266,7 @@ class LLMEngine:
                 if cnt > 0:
                     plp.append((seq, start, cnt, row))
             row += n
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         wants = [want for _, _, want, _ in chunks]
         interrupt = self._interrupt_check(scheduled)
         try:
@@ -272,9 +276,11 @@ class LLMEngine:
             # blocks stay theirs); the guarded arrival is added before the next schedule
             self.num_interrupted_steps += 1
             self._interrupted_last = True
+            self._trace_step(scheduled, wall0, time.perf_counter() - t0, True)
             return early
         self._interrupted_last = False
         dt = time.perf_counter() - t0
+        self._trace_step(scheduled, wall0, dt, False)
         total = sum(n for _, n in scheduled)
         self.num_steps += 1
         self.num_forward_tokens += total
@@ -342,6 +348,20 @@ class LLMEngine:
                 lambda cs: self.runner.forward(build_batch(cs, self.config.block_size, self.config.device), **kw),
                 chunks, wants)
         return rows
+
+    def _trace_step(self, scheduled: list[tuple[Sequence, int]], wall0: float, dt: float, interrupted: bool) -> None:
+        if not self.trace.on:
+            return
+        tok: dict[str, int] = {}
+        rows: dict[str, int] = {}
+        for seq, n in scheduled:
+            tok[seq.request.tenant] = tok.get(seq.request.tenant, 0) + n
+            rows[seq.request.tenant] = rows.get(seq.request.tenant, 0) + 1
+        waiting: dict[str, int] = {}
+        for seq in self.scheduler.waiting:
+            waiting[seq.request.tenant] = waiting.get(seq.request.tenant, 0) + 1
+        self.trace.write({"ev": "step", "t": round(wall0, 4), "dt": round(dt, 4), "tok": tok, "rows": rows,
+                          "interrupted": interrupted, "waiting": waiting})
 
     def _interrupt_check(self, scheduled: list[tuple[Sequence, int]]):
         """The between-layers check for this step's forward, or None when it may not be interrupted
