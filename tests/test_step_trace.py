@@ -22,5 +22,5 @@ def test_trace_off_by_default_and_on_with_a_directory(tiny_model, tmp_path, monk
     assert lines[0]["tenant"] == "acme"
     assert [r["tok"] for r in lines[1:]] == [{"acme": 4}, {"acme": 1}]
     assert all(r["interrupted"] is False and r["dt"] >= 0 for r in lines[1:])
-    text = "".join(f.read_text() for f in (tmp_path / "t").glob("steps-*.jsonl"))
-    assert "[5" not in text and "5," not in text  # no token ids
+    # no token ids: only these fields, with tenant names and counts
+    assert {k for r in lines for k in r} <= {"ev", "t", "tenant", "dt", "tok", "rows", "interrupted", "waiting"}
