@@ -104,15 +104,20 @@ def pct(xs, q) -> float:
 
 def victim_state(client) -> dict:
     r = client.get("/kvmesh/workers", headers={"Authorization": "Bearer sk-flood-admin"}).json()
-    out = {"blocks_held": 0, "evictions": 0, "flooder_blocks_held": 0, "flooder_evictions": 0, "num_blocks": 0}
+    out = {"blocks_held": 0, "evictions": 0, "flooder_blocks_held": 0, "flooder_evictions": 0, "num_blocks": 0,
+           "steps": 0, "interrupted_steps": 0, "flooder_requests": 0, "flooder_output_tokens": 0}
     for w in r["workers"]:
         e = w.get("engine") or {}
         out["num_blocks"] += e.get("num_blocks", 0)
+        out["steps"] += e.get("steps", 0)
+        out["interrupted_steps"] += e.get("interrupted_steps", 0)
         t = e.get("tenants", {})
         out["blocks_held"] += t.get("victim", {}).get("blocks_held", 0)
         out["evictions"] += t.get("victim", {}).get("evictions", 0)
         out["flooder_blocks_held"] += t.get("flooder", {}).get("blocks_held", 0)
         out["flooder_evictions"] += t.get("flooder", {}).get("evictions", 0)
+        out["flooder_requests"] += t.get("flooder", {}).get("requests", 0)
+        out["flooder_output_tokens"] += t.get("flooder", {}).get("output_tokens", 0)
     return out
 
 
@@ -242,6 +247,45 @@ def cpu_delta(a: dict[str, float], b: dict[str, float], seconds: float) -> dict[
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["cpu_s"]))
 
 
+def trace_summary(tdir: Path, samples: list) -> dict:
+    """Per victim sample (send time, TTFT) from the engine's step trace: client send -> worker
+    ``generate`` (``path_in``), -> the engine thread adds it (``to_engine``: waiting out the step
+    in progress), -> its first step starts (``engine_wait``), that step (``step``, with the other
+    tenants' rows in it), the rest (``path_out``); p50/p90/max and the five slowest requests."""
+    recs = [json.loads(line) for f in sorted(tdir.glob("steps-*.jsonl")) for line in f.read_text().splitlines()]
+    recs.sort(key=lambda r: r["t"])
+    gens = [r["t"] for r in recs if r["ev"] == "gen" and r["tenant"] == "victim"]
+    adds = [r["t"] for r in recs if r["ev"] == "add" and r["tenant"] == "victim"]
+    steps = [r for r in recs if r["ev"] == "step"]
+    rows = []
+    for sent, ttft in samples:
+        g = next((t for t in gens if t >= sent), None)
+        a = next((t for t in adds if g is not None and t >= g), None)
+        st = next((r for r in steps if a is not None and r["t"] >= a and "victim" in r["tok"]
+                   and not r["interrupted"]), None)
+        if g is None or a is None or st is None or g - sent > 5:
+            continue
+        running = next((r for r in reversed(steps) if r["t"] <= g), None)  # the step in progress at arrival
+        d = {"ttft": ttft, "path_in": 1e3 * (g - sent), "to_engine": 1e3 * (a - g), "engine_wait": 1e3 * (st["t"] - a),
+             "step": 1e3 * st["dt"]}
+        d["path_out"] = ttft - sum(d[k] for k in ("path_in", "to_engine", "engine_wait", "step"))
+        d["step_others"] = {k: v for k, v in st["tok"].items() if k != "victim"}
+        d["in_progress"] = ({"tok": running["tok"], "dt": 1e3 * running["dt"], "interrupted": running["interrupted"]}
+                            if running else None)
+        rows.append(d)
+    keys = ("ttft", "path_in", "to_engine", "engine_wait", "step", "path_out")
+    out = {k: {"p50": pct([r[k] / 1e3 for r in rows], .5), "p90": pct([r[k] / 1e3 for r in rows], .9),
+               "max": max((r[k] for r in rows), default=float("nan"))} for k in keys}
+    flood_steps = [r for r in steps if "victim" not in r["tok"]]
+    out["n"] = len(rows)
+    out["slowest"] = [{k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()}
+                      for r in sorted(rows, key=lambda r: -r["ttft"])[:5]]
+    out["lower_class_steps"] = {"n": len(flood_steps), "interrupted": sum(r["interrupted"] for r in flood_steps),
+                                "dt_ms_p50": pct([r["dt"] for r in flood_steps if not r["interrupted"]], .5),
+                                "dt_ms_max": 1e3 * max((r["dt"] for r in flood_steps), default=float("nan"))}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
@@ -269,6 +313,12 @@ def main() -> None:
                     help="app argument engine_thread_nice (e.g. -5: the engine thread before the HTTP front end; root)")
     ap.add_argument("--low-prefill-tokens", type=int, default=None,
                     help="app argument low_priority_prefill_tokens (default: the app's, 32)")
+    ap.add_argument("--guarded-alone", action=argparse.BooleanOptionalAction, default=True,
+                    help="app argument guarded_steps_alone (a guarded prefill step carries no lower-class decodes)")
+    ap.add_argument("--interrupt", action=argparse.BooleanOptionalAction, default=True,
+                    help="app argument interrupt_for_guarded (a lower-class step is abandoned for a guarded arrival)")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="engine per-step trace (engine/step_trace.py): where each flooded victim request waited")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench/results/flood.json"))
     # the flooder process's own arguments (set by start_flooders)
@@ -293,6 +343,8 @@ def main() -> None:
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="kvmesh-flood-"))
     (tmp / "tenants.yaml").write_text(yaml.safe_dump(tenants(args)))
+    if args.step_trace:  # inherited by the Ray workers this driver starts
+        os.environ["KVMESH_STEP_TRACE_DIR"] = str(tmp / "trace")
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -300,6 +352,7 @@ def main() -> None:
         serve.run(build_app({"model": args.model, "tenants": str(tmp / "tenants.yaml"),
                              "kv_cache_bytes": args.kv_cache_bytes, "worker_num_cpus": 1,
                              "reject_delay_s": args.reject_delay_s, "engine_thread_nice": args.engine_nice,
+                             "guarded_steps_alone": args.guarded_alone, "interrupt_for_guarded": args.interrupt,
                              **({"low_priority_prefill_tokens": args.low_prefill_tokens}
                                 if args.low_prefill_tokens is not None else {})}),
                   name="flood", route_prefix="/")
@@ -330,6 +383,7 @@ def main() -> None:
                              time.monotonic() + args.phase_s, sent_alone)
         cpu = {"alone": cpu_delta(cpu0, cpu_by_process(), time.monotonic() - t0)}
         load["alone_end"] = os.getloadavg()
+        mid = victim_state(client)
 
         proc = start_flooders(args, base, vocab, model)
         try:
@@ -365,6 +419,13 @@ def main() -> None:
         "victim_blocks": {"before": before["blocks_held"], "after": after["blocks_held"],
                           "min_blocks": args.victim_min_blocks, "evictions": after["evictions"]},
         "victim_system_prompt_cached_tokens_after": system_hit,
+        "engine_steps": {"alone": {"steps": mid["steps"] - before["steps"],
+                                   "interrupted": mid["interrupted_steps"] - before["interrupted_steps"]},
+                         "flood": {"steps": after["steps"] - mid["steps"],
+                                   "interrupted": after["interrupted_steps"] - mid["interrupted_steps"],
+                                   "flooder_requests_engine": after["flooder_requests"] - mid["flooder_requests"],
+                                   "flooder_output_tokens_engine": (after["flooder_output_tokens"]
+                                                                    - mid["flooder_output_tokens"])}},
         "victim_samples": {"alone": [[round(a, 3), round(1e3 * b, 1)] for a, b in zip(sent_alone, alone)],
                            "flood": [[round(a, 3), round(1e3 * b, 1)] for a, b in zip(sent_flood, flooded)],
                            "columns": ["sent_unix_s", "ttft_ms"]},
@@ -382,6 +443,8 @@ def main() -> None:
         "args": vars(args), "seconds": time.monotonic() - t_start,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
     }
+    if args.step_trace:
+        res["step_trace"] = {ph: trace_summary(tmp / "trace", res["victim_samples"][ph]) for ph in ("alone", "flood")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     v = res["victim_ttft_ms"]
@@ -401,6 +464,10 @@ def main() -> None:
           f" evictions {after['evictions']}); system prompt cached after: {system_hit} tokens")
     print(f"flooder: {flood['attempts']} attempts, {flood['ok']} served, {flood['429']} x 429 "
           f"(Retry-After on all: {len(retry) == flood['429']}), {flood['other']} other errors")
+    es = res["engine_steps"]
+    print(f"engine steps alone {es['alone']['steps']} (interrupted {es['alone']['interrupted']}); flood "
+          f"{es['flood']['steps']} (interrupted {es['flood']['interrupted']}; interrupt_for_guarded {args.interrupt}, "
+          f"guarded_steps_alone {args.guarded_alone})")
     print(f"load average (1/5/15 min): {load}")
     for phase, procs in cpu.items():
         top = ", ".join(f"{k} {v['cores']:.2f}" for k, v in list(procs.items())[:8])

@@ -86,6 +86,11 @@ class AppSettings:
     # lower-priority prefill tokens per step (all together) while a higher class contends or is
     # guarded (EngineConfig.low_priority_prefill_tokens): bounds the step a higher request waits out
     low_priority_prefill_tokens: int = 32
+    # with a guarded (latency_guard) tenant: its prefill steps carry no lower-class work, decodes
+    # included (EngineConfig.guarded_steps_alone), and a lower-class step in progress is abandoned
+    # between layers when its request arrives (EngineConfig.interrupt_for_guarded)
+    guarded_steps_alone: bool = True
+    interrupt_for_guarded: bool = True
 
     def __post_init__(self):
         if self.metrics_auth not in ("none", "admin"):
@@ -133,6 +138,7 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                           device=device, dtype=s.dtype or ("float32" if device == "cpu" else "bfloat16"),
                           tenant_quotas=tenants.eviction_quotas(), thread_nice=s.engine_thread_nice,
                           low_priority_prefill_tokens=s.low_priority_prefill_tokens,
+                          guarded_steps_alone=s.guarded_steps_alone, interrupt_for_guarded=s.interrupt_for_guarded,
                           approx=ApproxConfig(tenant_gates=tenants.quality_gates()))
     return PoolConfig(engine=engine, autoscale=s.autoscale(), shares=tuple(sorted(tenants.worker_shares().items())),
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,

@@ -20,6 +20,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from typing import AsyncIterator, Callable
 
 from engine.llm_engine import EngineBroken, EngineConfig, LLMEngine
@@ -205,11 +206,33 @@ class AsyncEngine:
         self._streams[request.request_id] = (asyncio.get_running_loop(), q)
         finished = False
         try:
-            def add(engine: LLMEngine):
-                engine.add_request(request)
+            # a guarded (latency_guard) tenant's request may cut short a lower-class step already
+            # running: the engine thread sees the note between layers (engine/step_interrupt.py)
+            quota = self.engine.pool.eviction.quota(request.tenant)
+            guarded = quota.priority if quota.latency_guard and self.engine.config.interrupt_for_guarded else None
+            arrivals = self.engine.arrivals
 
+            def add(engine: LLMEngine):
+                try:
+                    engine.add_request(request)
+                finally:
+                    if guarded is not None:
+                        arrivals.done(guarded)
+
+            if self.engine.trace.on:
+                self.engine.trace.write({"ev": "gen", "t": time.time(), "tenant": request.tenant})
+            if guarded is not None:
+                arrivals.note(guarded)
             try:
-                await self.call(add)
+                fut = self.call(add)
+            except BaseException:
+                if guarded is not None:
+                    arrivals.done(guarded)
+                raise
+            if guarded is not None and fut.done():  # refused at once (dead loop): add never runs
+                arrivals.done(guarded)
+            try:
+                await fut
             except InvalidRequest:
                 self._streams.pop(request.request_id, None)
                 raise

@@ -20,6 +20,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from engine.step_interrupt import StepInterrupted
+
 log = logging.getLogger(__name__)
 
 
@@ -29,9 +31,12 @@ def forward_isolating(forward: Callable[[list], torch.Tensor], chunks: list, wan
     forward. ``forward(chunks)`` returns one logits row per chunk that wants one, in order.
 
     One batched call normally; if it raises, each chunk runs alone (rewriting a chunk's KV
-    slots is idempotent: the same tokens at the same positions)."""
+    slots is idempotent: the same tokens at the same positions). ``StepInterrupted`` is not a
+    failure and propagates."""
     try:
         logits = forward(chunks)
+    except StepInterrupted:
+        raise  # not a failure: the engine abandons the step (engine/step_interrupt.py)
     except Exception as batch_error:  # noqa: BLE001 - find whose chunk broke it
         log.warning("batched forward of %d chunks failed (%s): retrying one by one", len(chunks),
                     type(batch_error).__name__)
@@ -40,6 +45,8 @@ def forward_isolating(forward: Callable[[list], torch.Tensor], chunks: list, wan
             try:
                 row = forward([chunk])
                 out.append(row[0] if want else None)
+            except StepInterrupted:
+                raise
             except Exception as e:  # noqa: BLE001 - this request's own failure
                 out.append(e)
         return out

@@ -24,10 +24,13 @@ from engine.model_runner import ModelRunner, build_batch
 from engine.sampler import SampleResult, SampleRow, sample, sample_isolated
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.slot_pool import DonorPayload
+from engine.step_interrupt import ArrivalSignal, StepInterrupted
+from engine.step_trace import StepTrace
 from engine.sequence import (REUSE_MODES, InvalidRequest, Request, RequestOutput, SeqGroup, Sequence,
                              SequenceStatus, TokenLogprob)
 from engine.tokenizer import IncrementalDetokenizer
 from policies.eviction import TenantEvictionPolicy, TenantQuota
+from policies.prefill_priority import may_interrupt
 from policies.tenancy import read_label
 
 
@@ -56,6 +59,12 @@ class EngineConfig:
     low_priority_prefill_tokens: int = 32  # prefill chunk cap of a tenant below a contending priority
     priority_hold_s: float = 2.0  # a priority class contends this long after its last prefill work
     alternate_low_prefill: bool = True  # see engine/scheduler.py: a higher-priority step after a lower one is alone
+    # a guarded (latency_guard) class's prefill step carries no lower-class work at all, decodes
+    # included, and its first one is alone (engine/scheduler.py; needs alternate_low_prefill)
+    guarded_steps_alone: bool = True
+    # a step of lower classes only is abandoned between layers when a guarded request above them
+    # arrives, never two in a row (engine/step_interrupt.py)
+    interrupt_for_guarded: bool = True
     # niceness added to the engine thread when AsyncEngine starts it (Linux, that thread and the
     # threads it starts); < 0 gives the engine CPU precedence over an HTTP front end on the same
     # cores (needs root / CAP_SYS_NICE: refused -> logged, unchanged). 0: untouched
@@ -101,7 +110,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens,
             low_priority_prefill_tokens=config.low_priority_prefill_tokens,
-            priority_hold_s=config.priority_hold_s, alternate_low_prefill=config.alternate_low_prefill), self.kv)
+            priority_hold_s=config.priority_hold_s, alternate_low_prefill=config.alternate_low_prefill,
+            guarded_steps_alone=config.guarded_steps_alone), self.kv)
         self.runner = ModelRunner(self.loaded.model, self.cache, config.attention)
         self.eos_ids = self._eos_ids()
         self.seqs: dict[str, Sequence] = {}
@@ -111,6 +121,12 @@ class LLMEngine:
         # approximate reuse: prompt tokens served from donors, per (reader tenant, read_label)
         self.approx_reads: dict[tuple[str, str], int] = {}
         self.num_steps = 0
+        # guarded requests on their way to add_request (AsyncEngine notes them); a lower-class step
+        # is abandoned for them between layers (engine/step_interrupt.py)
+        self.arrivals = ArrivalSignal()
+        self.num_interrupted_steps = 0
+        self._interrupted_last = False
+        self.trace = StepTrace()  # off unless KVMESH_STEP_TRACE_DIR is set (engine/step_trace.py)
         self.num_forward_tokens = 0  # tokens run through the model (prefill chunks + decodes)
         self.sample_s = 0.0  # time in the batched sampler (masks, logprobs, appends) over all steps
         self.vocab_size = mcfg.vocab_size
@@ -187,6 +203,8 @@ class LLMEngine:
             seq.prompt_lp = [None] * seq.num_prompt
         self.seqs[request.request_id] = seq
         self.scheduler.add(seq)
+        if self.trace.on:
+            self.trace.write({"ev": "add", "t": time.time(), "tenant": request.tenant})
 
     def abort(self, request_id: str, index: int | None = None) -> RequestOutput | None:
         """Abort a request (every choice), or only its choice ``index``; releases their blocks.
@@ -248,26 +266,21 @@ class LLMEngine:
                 if cnt > 0:
                     plp.append((seq, start, cnt, row))
             row += n
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         wants = [want for _, _, want, _ in chunks]
-        if plp:  # prompt logprobs need the hidden rows too: one batched call (a failure fails the step)
-            batch = build_batch(chunks, self.config.block_size, self.config.device)
-            hrows = torch.tensor([r + i for _, _, c, r in plp for i in range(c)], dtype=torch.long,
-                                 device=batch.input_ids.device)
-            logits, hidden = self.runner.forward(batch, hrows)
-            off = 0
-            for seq, start, cnt, _ in plp:
-                lps = reduce_prompt_logprobs(self.runner.model.lm_head, hidden[off : off + cnt],
-                                             seq.tokens[start + 1 : start + 1 + cnt], seq.params.prompt_logprobs)
-                seq.prompt_lp[start + 1 : start + 1 + cnt] = lps
-                off += cnt
-            it = iter(logits)
-            rows = [next(it) if w else None for w in wants]
-        else:  # a chunk whose forward fails alone fails its request alone (engine/fault_isolation.py)
-            rows = forward_isolating(
-                lambda cs: self.runner.forward(build_batch(cs, self.config.block_size, self.config.device)),
-                chunks, wants)
+        interrupt = self._interrupt_check(scheduled)
+        try:
+            rows = self._forward(chunks, wants, plp, interrupt)
+        except StepInterrupted:
+            # nothing of the step was applied: the plan's sequences rerun it later (their grown
+            # blocks stay theirs); the guarded arrival is added before the next schedule
+            self.num_interrupted_steps += 1
+            self._interrupted_last = True
+            self._trace_step(scheduled, wall0, time.perf_counter() - t0, True)
+            return early
+        self._interrupted_last = False
         dt = time.perf_counter() - t0
+        self._trace_step(scheduled, wall0, dt, False)
         total = sum(n for _, n in scheduled)
         self.num_steps += 1
         self.num_forward_tokens += total
@@ -312,6 +325,55 @@ class LLMEngine:
         if self._failed_steps >= MAX_FAILED_STEPS:
             raise EngineBroken(f"{self._failed_steps} steps in a row failed for every request in them")
         return early + errors + outs
+
+    def _forward(self, chunks: list, wants: list[bool], plp: list, interrupt) -> list:
+        """One logits row (or None, or the chunk's own exception) per chunk; raises
+        ``StepInterrupted`` when ``interrupt`` said so between layers (nothing applied yet)."""
+        kw = {} if interrupt is None else {"interrupt": interrupt}  # (tests wrap forward(batch[, rows]))
+        if plp:  # prompt logprobs need the hidden rows too: one batched call (a failure fails the step)
+            batch = build_batch(chunks, self.config.block_size, self.config.device)
+            hrows = torch.tensor([r + i for _, _, c, r in plp for i in range(c)], dtype=torch.long,
+                                 device=batch.input_ids.device)
+            logits, hidden = self.runner.forward(batch, hrows, **kw)
+            off = 0
+            for seq, start, cnt, _ in plp:
+                lps = reduce_prompt_logprobs(self.runner.model.lm_head, hidden[off : off + cnt],
+                                             seq.tokens[start + 1 : start + 1 + cnt], seq.params.prompt_logprobs)
+                seq.prompt_lp[start + 1 : start + 1 + cnt] = lps
+                off += cnt
+            it = iter(logits)
+            rows = [next(it) if w else None for w in wants]
+        else:  # a chunk whose forward fails alone fails its request alone (engine/fault_isolation.py)
+            rows = forward_isolating(
+                lambda cs: self.runner.forward(build_batch(cs, self.config.block_size, self.config.device), **kw),
+                chunks, wants)
+        return rows
+
+    def _trace_step(self, scheduled: list[tuple[Sequence, int]], wall0: float, dt: float, interrupted: bool) -> None:
+        if not self.trace.on:
+            return
+        tok: dict[str, int] = {}
+        rows: dict[str, int] = {}
+        for seq, n in scheduled:
+            tok[seq.request.tenant] = tok.get(seq.request.tenant, 0) + n
+            rows[seq.request.tenant] = rows.get(seq.request.tenant, 0) + 1
+        waiting: dict[str, int] = {}
+        for seq in self.scheduler.waiting:
+            waiting[seq.request.tenant] = waiting.get(seq.request.tenant, 0) + 1
+        self.trace.write({"ev": "step", "t": round(wall0, 4), "dt": round(dt, 4), "tok": tok, "rows": rows,
+                          "interrupted": interrupted, "waiting": waiting})
+
+    def _interrupt_check(self, scheduled: list[tuple[Sequence, int]]):
+        """The between-layers check for this step's forward, or None when it may not be interrupted
+        (``policies.prefill_priority.may_interrupt``: a guarded class above every sequence in it,
+        and the last step ran to its end)."""
+        if not self.config.interrupt_for_guarded:
+            return None
+        step_top = max(self.scheduler.priority(seq) for seq, _ in scheduled)
+        if not may_interrupt(step_top, self.pool.eviction.guarded_priorities(), self._interrupted_last):
+            return None
+        arrivals = self.arrivals
+        return lambda: arrivals.above(step_top)
 
     # -- failures of one request (engine/fault_isolation.py) --------------------------------
     def _fail(self, seq: Sequence, where: str, err: BaseException) -> RequestOutput:
@@ -700,6 +762,7 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
+            "steps": self.num_steps, "interrupted_steps": self.num_interrupted_steps,
             "failed_requests": self.num_failed, "optional_failures": dict(self.optional_failures),
             "tenants": {
                 t: {**vars(m), "blocks_held": self.pool.eviction.held.get(t, 0),

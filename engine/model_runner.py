@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kv_cache import PagedKVCache, token_slots
+from engine.step_interrupt import StepInterrupted
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -227,10 +228,13 @@ class ModelRunner:
         self.attention = attention
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, hidden_rows: torch.Tensor | None = None):
+    def forward(self, batch: ForwardBatch, hidden_rows: torch.Tensor | None = None,
+                interrupt: Callable[[], bool] | None = None):
         """Logits [S, vocab] (float32) of ``batch.logits_rows``. With ``hidden_rows`` (batch row
         indices; no row filters), also the final-norm hidden states of those rows, for callers
-        that reduce their logits chunk by chunk (prompt logprobs): returns (logits, hidden)."""
+        that reduce their logits chunk by chunk (prompt logprobs): returns (logits, hidden).
+        ``interrupt`` is asked after every layer; True raises ``StepInterrupted`` (the K/V written
+        so far sits in slots the rerun rewrites with the same values: engine/step_interrupt.py)."""
         model = self.model.model
         h = model.embed_tokens(batch.input_ids)  # [T, hidden]
         cos, sin = model.rotary_emb(h[None], batch.positions[None])
@@ -258,6 +262,8 @@ class ModelRunner:
             if layer_idx in filter_layers:
                 keep, batch = _filter_rows(layer_idx, batch, k, v)
                 h, cos, sin = h[keep], cos[keep], sin[keep]
+            if interrupt is not None and interrupt():
+                raise StepInterrupted(f"after layer {layer_idx}")
         if hidden_rows is None:
             return self.model.lm_head(model.norm(h[batch.logits_rows])).float()
         if filter_layers:

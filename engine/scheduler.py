@@ -30,6 +30,15 @@ only if the step before carried none (``alternate_low_prefill``, default on): a 
 request arriving during a lower-class step then gets a step of its own next, instead of sharing
 it with another lower-class chunk, and the lower classes still progress every other step. With
 one priority class live nothing changes.
+
+When the top live class is *guarded* (``latency_guard``) and has prefill work
+(``guarded_steps_alone``, default on, with ``alternate_low_prefill``), its steps alternate alone /
+shared **starting alone** (so its first prefill step never carries a lower-class chunk, whatever
+the step before carried), and an alone step carries no lower-class decode rows either: on a CPU
+every row adds to the step the guarded request waits for. The shared steps carry the lower
+classes' decodes and capped chunk as above, so they still progress every other step. (The
+engine may also abandon a lower-class step in progress for a guarded arrival:
+``engine/step_interrupt.py``.)
 """
 
 from __future__ import annotations
@@ -54,6 +63,9 @@ class SchedulerConfig:
     low_priority_prefill_tokens: int = 32  # chunk cap of a lower-priority prefill under contention
     priority_hold_s: float = 2.0  # a class contends this long after its last waiting/prefilling work
     alternate_low_prefill: bool = True  # lower-class prefill skips a step with higher prefill after one of its own
+    # with a guarded top class (latency_guard): its prefill steps alternate alone / shared starting
+    # alone, and an alone step carries no lower-class decodes either (needs alternate_low_prefill)
+    guarded_steps_alone: bool = True
 
     def __post_init__(self):
         if self.low_priority_prefill_tokens < 1:
@@ -77,6 +89,7 @@ class Scheduler:
         self.num_bypasses = 0  # admissions of a request past an earlier one that did not fit
         self._bypassed: dict[Sequence, int] = {}  # waiting sequence -> times it was passed over
         self._low_ran = False  # the last step carried throttled (lower-class) prefill tokens
+        self._alone_last = False  # the last step was a guarded class's alone (guarded_steps_alone)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -112,15 +125,23 @@ class Scheduler:
         # plan: decodes first, then prefills by priority; lower-priority ones are capped, and their
         # capped chunks are reserved so that higher-priority prefills cannot take the whole budget
         plan: dict[int, int] = {}
+        higher_prefill = top is not None and any(not throttled(prio[id(s)], top) for s in (*prefills, *self.waiting))
+        guarded_alone = (higher_prefill and cfg.alternate_low_prefill and cfg.guarded_steps_alone
+                         and top in self.kv.pool.eviction.guarded_priorities())
+        # a guarded class's prefill: alone first, then shared, alternating; alone = no lower-class work
+        alone = not self._alone_last if guarded_alone else False
         for seq in self.running:
             if seq.num_pending <= 1 and budget > 0:
+                if alone and throttled(prio[id(seq)], top):
+                    continue  # the guarded step does not pay for lower-class decode rows
                 plan[id(seq)] = n = min(seq.num_pending, 1)
                 budget -= n
         # the lower classes' prefill tokens of this step, all together; reserved ahead of higher prefills
         low_left = low if top is not None else 0
-        if low_left and self._low_ran and cfg.alternate_low_prefill and any(
-                not throttled(prio[id(s)], top) for s in (*prefills, *self.waiting)):
+        if alone or (not guarded_alone and low_left and self._low_ran and cfg.alternate_low_prefill
+                     and higher_prefill):
             low_left = 0  # they had the last step: this one is the higher classes' alone
+        self._alone_last = alone
         low_share = low_left
         low_pending = sum(s.num_pending for s in prefills if throttled(prio[id(s)], top))
         reserved = min(low_left, low_pending)

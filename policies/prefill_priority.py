@@ -54,3 +54,10 @@ class PriorityContention:
 def throttled(priority: int, top: int | None) -> bool:
     """A sequence's prefill is capped iff a higher priority class contends."""
     return top is not None and priority < top
+
+
+def may_interrupt(step_top: int, guarded: frozenset[int], interrupted_last: bool) -> bool:
+    """May an engine step whose highest sequence priority is ``step_top`` be abandoned for a
+    guarded arrival (``engine.step_interrupt``)? Only if some guarded class is above every
+    sequence of the step, and the step before was not itself interrupted (no starvation)."""
+    return not interrupted_last and any(g > step_top for g in guarded)

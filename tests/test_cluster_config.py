@@ -43,6 +43,10 @@ def test_flood_knobs_are_checked_when_the_app_is_built(args, words):
     s = AppSettings.from_args({"low_priority_prefill_tokens": 16, "engine_thread_nice": 2})
     e = pool_config(s, Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})).engine
     assert (e.low_priority_prefill_tokens, e.thread_nice) == (16, 2)  # they reach the workers' engines
+    assert (e.guarded_steps_alone, e.interrupt_for_guarded) == (True, True)  # defaults
+    e = pool_config(AppSettings.from_args({"guarded_steps_alone": False, "interrupt_for_guarded": False}),
+                    Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})).engine
+    assert (e.guarded_steps_alone, e.interrupt_for_guarded) == (False, False)
 
 
 @pytest.mark.parametrize("name", ["ray-up-local.yaml", "ray-up-aws-gpu.yaml"])
