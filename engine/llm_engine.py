@@ -367,10 +367,11 @@ class LLMEngine:
         """The between-layers check for this step's forward, or None when it may not be interrupted
         (``policies.prefill_priority.may_interrupt``: a guarded class above every sequence in it,
         and the last step ran to its end)."""
-        if not self.config.interrupt_for_guarded:
+        guarded = self.pool.eviction.guarded_priorities() if self.config.interrupt_for_guarded else ()
+        if not guarded:  # the usual case: no latency_guard tenant, nothing to scan
             return None
         step_top = max(self.scheduler.priority(seq) for seq, _ in scheduled)
-        if not may_interrupt(step_top, self.pool.eviction.guarded_priorities(), self._interrupted_last):
+        if not may_interrupt(step_top, guarded, self._interrupted_last):
             return None
         arrivals = self.arrivals
         return lambda: arrivals.above(step_top)

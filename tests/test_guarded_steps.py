@@ -14,25 +14,14 @@ from engine.step_interrupt import ArrivalSignal
 from policies.eviction import TenantQuota
 from policies.prefill_priority import may_interrupt
 
-from tests.test_prefill_priority import BS, QUOTAS, Clock, outputs, req, step
+from tests.test_prefill_priority import BS, QUOTAS, outputs, req, step
+from tests.test_prefill_priority import engine as priority_engine
 
 GUARDED = {**QUOTAS, "hi": TenantQuota(priority=2, latency_guard=True)}
 
 
 def engine(tiny_model, quotas=GUARDED, **kw):
-    cfg = EngineConfig(model="tiny-llama", num_blocks=200, max_num_batched_tokens=128, tenant_quotas=quotas,
-                       approx=None, low_priority_prefill_tokens=32, priority_hold_s=2.0, **kw)
-    eng = LLMEngine(cfg, tiny_model)
-    eng.scheduler.clock = Clock()
-    plans = []
-    schedule = eng.scheduler.schedule
-
-    def recording():
-        out = schedule()
-        plans.append({s.request_id: n for s, n in out})
-        return out
-
-    eng.scheduler.schedule = recording
+    eng, _, plans = priority_engine(tiny_model, quotas, **kw)
     return eng, plans
 
 

@@ -25,9 +25,10 @@ class Clock:
         return self.t
 
 
-def engine(tiny_model, quotas=QUOTAS, budget=128, hold=2.0):
+def engine(tiny_model, quotas=QUOTAS, budget=128, hold=2.0, **kw):
+    """(engine, its fake clock, the plan of every step); ``kw``: more EngineConfig fields."""
     cfg = EngineConfig(model="tiny-llama", num_blocks=200, max_num_batched_tokens=budget, tenant_quotas=quotas,
-                       approx=None, low_priority_prefill_tokens=32, priority_hold_s=hold)
+                       approx=None, low_priority_prefill_tokens=32, priority_hold_s=hold, **kw)
     eng = LLMEngine(cfg, tiny_model)
     eng.scheduler.clock = clock = Clock()
     plans = []  # per step: {request_id: tokens scheduled}

@@ -41,67 +41,9 @@ async def _wait_retired(pool, worker_id, timeout=30):
     raise AssertionError(f"{worker_id} was never retired")
 
 
-def test_dead_engines_are_detected_idle_and_mid_stream_and_replaced():
-    import ray
-
-    from cluster.pool import PoolConfig, WorkerDied, WorkerPool
-    from engine.async_engine import EngineDead
-    from engine.llm_engine import EngineConfig
-    from policies.autoscale import AutoscaleConfig
-
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-
-    async def main():
-        cfg = PoolConfig(engine=EngineConfig(model="tiny-llama", num_blocks=64), cost_aware_routing=False,
-                         autoscale=AutoscaleConfig(min_workers=2, max_workers=2), worker_num_cpus=0,
-                         worker_num_gpus=0, health_interval_s=0)  # health checks driven by the test
-        pool = WorkerPool(cfg)
-        await pool.start(autoscale=False)
-        try:
-            await _wait_ready(pool, 2)
-            w0, w1 = sorted(pool.workers)
-            # 1. an idle worker's engine dies: health fails, the pool replaces it
-            await pool.workers[w0].actor.set_faults.remote(["engine_death"])
-            with pytest.raises(EngineDead):
-                await pool.workers[w0].actor.health.remote()
-            assert await pool.check_health() == [w0]
-            assert w0 not in pool.workers and len(pool.workers) == 2
-            await _wait_ready(pool, 2)
-            for i in range(4):
-                outs = await _run(pool, f"after-idle-{i}")
-            assert {w for w in pool.workers} != {w0, w1}
-            # 2. a worker's engine dies mid-decode: that stream fails (503-class), the worker is
-            # replaced at once, and the next requests are served by the healthy ones
-            stream = pool.generate(_req("victim", max_tokens=900))
-            async for target, _, out in stream:
-                await target.actor.set_faults.remote(["engine_death"])
-                break
-            with pytest.raises(WorkerDied, match="engine"):
-                async for _ in stream:
-                    pass
-            await stream.aclose()
-            assert target.worker_id not in pool.workers and target.dead
-            await _wait_ready(pool, 2)
-            served = {}
-            for i in range(4):
-                outs = await _run(pool, f"after-stream-{i}")
-                served[i] = outs[-1]
-            assert all(w.inflight == 0 for w in pool.workers.values())
-            for w in pool.workers.values():
-                s = await w.actor.stats.remote()
-                assert s["free_blocks"] == s["num_blocks"] and s["running"] == 0
-        finally:
-            await pool.close()
-
-    try:
-        asyncio.run(main())
-    finally:
-        ray.shutdown()
-
-
-def test_the_death_watch_replaces_a_dead_engine_without_polling():
-    """``health_interval_s`` an hour: the pool never asks ``health``; only the pending
-    ``watch_engine`` call (the worker checks its engine locally) reports the death."""
+def _with_pool(body, health_interval_s: float) -> None:
+    """Run ``await body(pool)`` on a started 2-worker tiny-llama pool (both ready) in a local Ray;
+    the pool is closed and Ray shut down whatever happens."""
     import ray
 
     from cluster.pool import PoolConfig, WorkerPool
@@ -113,23 +55,12 @@ def test_the_death_watch_replaces_a_dead_engine_without_polling():
     async def main():
         cfg = PoolConfig(engine=EngineConfig(model="tiny-llama", num_blocks=64), cost_aware_routing=False,
                          autoscale=AutoscaleConfig(min_workers=2, max_workers=2), worker_num_cpus=0,
-                         worker_num_gpus=0, health_interval_s=3600.0)
+                         worker_num_gpus=0, health_interval_s=health_interval_s)
         pool = WorkerPool(cfg)
         await pool.start(autoscale=False)
         try:
             await _wait_ready(pool, 2)
-            w0, w1 = sorted(pool.workers)
-            await pool.workers[w0].actor.set_faults.remote(["engine_death"])
-            await _wait_retired(pool, w0)  # retired by the watch, within seconds
-            await _wait_ready(pool, 2)  # and replaced
-            assert w1 in pool.workers and len(pool.workers) == 2
-            outs = await _run(pool, "after-watch")
-            assert outs[-1].finished
-            # a worker killed outright: the watch sees ActorDiedError and replaces it too
-            victim = pool.workers[w1]
-            ray.kill(victim.actor)
-            await _wait_retired(pool, w1)
-            await _wait_ready(pool, 2)
+            await body(pool)
         finally:
             await pool.close()
 
@@ -137,3 +68,65 @@ def test_the_death_watch_replaces_a_dead_engine_without_polling():
         asyncio.run(main())
     finally:
         ray.shutdown()
+
+
+def test_dead_engines_are_detected_idle_and_mid_stream_and_replaced():
+    from cluster.pool import WorkerDied
+    from engine.async_engine import EngineDead
+
+    async def body(pool):
+        w0, w1 = sorted(pool.workers)
+        # 1. an idle worker's engine dies: health fails, the pool replaces it
+        await pool.workers[w0].actor.set_faults.remote(["engine_death"])
+        with pytest.raises(EngineDead):
+            await pool.workers[w0].actor.health.remote()
+        assert await pool.check_health() == [w0]
+        assert w0 not in pool.workers and len(pool.workers) == 2
+        await _wait_ready(pool, 2)
+        for i in range(4):
+            outs = await _run(pool, f"after-idle-{i}")
+        assert {w for w in pool.workers} != {w0, w1}
+        # 2. a worker's engine dies mid-decode: that stream fails (503-class), the worker is
+        # replaced at once, and the next requests are served by the healthy ones
+        stream = pool.generate(_req("victim", max_tokens=900))
+        async for target, _, out in stream:
+            await target.actor.set_faults.remote(["engine_death"])
+            break
+        with pytest.raises(WorkerDied, match="engine"):
+            async for _ in stream:
+                pass
+        await stream.aclose()
+        assert target.worker_id not in pool.workers and target.dead
+        await _wait_ready(pool, 2)
+        served = {}
+        for i in range(4):
+            outs = await _run(pool, f"after-stream-{i}")
+            served[i] = outs[-1]
+        assert all(w.inflight == 0 for w in pool.workers.values())
+        for w in pool.workers.values():
+            s = await w.actor.stats.remote()
+            assert s["free_blocks"] == s["num_blocks"] and s["running"] == 0
+
+    _with_pool(body, health_interval_s=0)  # health checks driven by the test
+
+
+def test_the_death_watch_replaces_a_dead_engine_without_polling():
+    """``health_interval_s`` an hour: the pool never asks ``health``; only the pending
+    ``watch_engine`` call (the worker checks its engine locally) reports the death."""
+    import ray
+
+    async def body(pool):
+        w0, w1 = sorted(pool.workers)
+        await pool.workers[w0].actor.set_faults.remote(["engine_death"])
+        await _wait_retired(pool, w0)  # retired by the watch, within seconds
+        await _wait_ready(pool, 2)  # and replaced
+        assert w1 in pool.workers and len(pool.workers) == 2
+        outs = await _run(pool, "after-watch")
+        assert outs[-1].finished
+        # a worker killed outright: the watch sees ActorDiedError and replaces it too
+        victim = pool.workers[w1]
+        ray.kill(victim.actor)
+        await _wait_retired(pool, w1)
+        await _wait_ready(pool, 2)
+
+    _with_pool(body, health_interval_s=3600.0)
