@@ -54,7 +54,7 @@ class Router:
         self.decisions: Counter[str] = Counter()
         self.bytes_pulled = 0
         self.pull_failures = 0
-        self._err: dict[str, list[float]] = {}  # kind -> [count, sum |err|, sum |err|/actual]
+        self._err: dict[str, list[float]] = {}  # kind -> [count, sum |err|, sum |err|/actual, sum (predicted - actual)]
         self.epoch = uuid.uuid4().hex  # new after every (re)start
         self.batches = 0
 
@@ -98,10 +98,11 @@ class Router:
         self.decisions[kind] += 1
 
     def report_outcome(self, kind: str, predicted_s: float, actual_s: float) -> None:
-        e = self._err.setdefault(kind, [0, 0.0, 0.0])
+        e = self._err.setdefault(kind, [0, 0.0, 0.0, 0.0])
         e[0] += 1
         e[1] += abs(predicted_s - actual_s)
         e[2] += abs(predicted_s - actual_s) / max(actual_s, 1e-6)
+        e[3] += predicted_s - actual_s
 
     def batch(self, reports: Sequence[tuple[str, tuple]] = (), method: str | None = None, args: tuple = ()):
         """Apply ``reports`` (``(method, args)`` of the report methods, in order; a failing one
@@ -144,8 +145,8 @@ class Router:
     def metrics(self) -> dict:
         return {"decisions": dict(self.decisions), "bytes_pulled": self.bytes_pulled,
                 "pull_failures": self.pull_failures,
-                "ttft_error": {k: {"count": int(c), "mean_abs_s": s / c, "mean_rel": r / c}
-                               for k, (c, s, r) in self._err.items() if c}}
+                "ttft_error": {k: {"count": int(c), "mean_abs_s": s / c, "mean_rel": r / c, "mean_signed_s": d / c}
+                               for k, (c, s, r, d) in self._err.items() if c}}
 
 
 REPORTS = frozenset({"register", "remove", "sync_workers", "report_prefill", "report_transfer", "report_probe",

@@ -611,10 +611,22 @@ class ControllerClient:
         finally:
             self.local.released(ticket)  # before end(): this replica never counts more than the controller
             self._progress.pop(lid, None)
-            try:
-                self.handle.end.remote(lid, finished, dead)
-            except Exception:  # noqa: BLE001 - controller gone: its leases went with it
-                pass
+            await self._end(lid, finished, dead)
+
+    async def _end(self, lease_id: str, finished: bool, dead: bool) -> None:
+        """End a lease. A finished stream waits for the controller to record it (one round trip
+        after the last token, never before the first): the client may send its next request to
+        another ingress replica at once, and that replica's ``begin`` must not find this lease
+        still open (a spurious 429 at exactly ``max_concurrent``). A stream that failed or was
+        abandoned ends fire-and-forget: its client is gone or gets an error anyway."""
+        try:
+            ref = self.handle.end.remote(lease_id, finished, dead)
+            if finished:
+                await asyncio.wait_for(_aref(ref), self.call_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - controller gone (its leases went with it) or slow: the lease ends anyway
+            pass
 
 
 async def _aref(ref):

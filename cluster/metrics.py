@@ -35,6 +35,9 @@ class Metrics:
         self.router_failures = Gauge("kvmesh_router_pull_failures", "Failed pulls (recomputed)", registry=r)
         self.router_error = Gauge("kvmesh_router_ttft_error_seconds",
                                   "Mean |predicted - measured| TTFT by route kind", ["kind"], registry=r)
+        self.router_bias = Gauge("kvmesh_router_ttft_bias_seconds",
+                                 "Mean predicted - measured TTFT by route kind (< 0: the router underestimates)",
+                                 ["kind"], registry=r)
         self.router_placements = Gauge("kvmesh_router_placements",
                                        "Routing choices by placement rule (match, placed, spilled, fallback)",
                                        ["kind"], registry=r)
@@ -65,6 +68,8 @@ class Metrics:
             self.router_failures.set(router.get("pull_failures", 0))
             for kind, e in router.get("ttft_error", {}).items():
                 self.router_error.labels(kind=kind).set(e["mean_abs_s"])
+                if "mean_signed_s" in e:
+                    self.router_bias.labels(kind=kind).set(e["mean_signed_s"])
             for kind, n in router.get("placements", {}).items():
                 self.router_placements.labels(kind=kind).set(n)
             for worker, n in router.get("routed", {}).items():

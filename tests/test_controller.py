@@ -226,10 +226,10 @@ def test_two_replicas_share_one_controller_and_one_worker(cluster):
         codes = list(ex.map(lambda i: complete(cluster, f"request number {i} to either replica").status_code,
                             range(24)))
     assert codes == [200] * 24
-    # a replica ends each lease with a fire-and-forget ``end`` after its response went out: the
-    # controller may see the last ones after this test's next call
-    wait_until(lambda: not any(c["leases"] for c in snapshot(cluster)["clients"].values()), "the leases to end")
     snap = snapshot(cluster)
+    # a replica's response ends only once the controller has ended its lease: a client's next
+    # request, to either replica, never finds the last one still open
+    assert not any(c["leases"] for c in snap["clients"].values())
     assert len(snap["clients"]) == 2  # both ingress replicas attached to the one controller
     assert all(c["begun"] > 0 for c in snap["clients"].values())  # and both served requests
     assert len(snap["workers"]) == 1  # workers: 1 in the app args, not 1 per replica
@@ -242,6 +242,16 @@ def test_two_replicas_share_one_controller_and_one_worker(cluster):
     r = http(cluster).get("/kvmesh/workers", headers={"Authorization": "Bearer sk-acme"})
     assert len(r.json()["workers"]) == 1
     assert all(w["inflight"] == 0 for w in snap["workers"].values()) and not any(snap["admitted"].values())
+
+
+def test_back_to_back_requests_at_the_concurrency_limit_are_admitted_by_either_replica(cluster):
+    # ghost may run 1 request at a time; each request starts right after the previous response,
+    # and the proxy spreads them over both replicas: none may find the previous lease still open
+    with http(cluster) as c:
+        codes = [c.post("/v1/completions", headers={"Authorization": "Bearer sk-ghost"},
+                        json={"model": TINY, "prompt": f"one at a time {i}", "max_tokens": 2}).status_code
+                 for i in range(16)]
+    assert codes == [200] * 16
 
 
 def test_lease_of_a_vanished_client_is_reclaimed(cluster):

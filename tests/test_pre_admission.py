@@ -168,9 +168,11 @@ class _Worker:
 
 class _Controller:
     """The controller handle: ``begin`` answers a lease or raises ``reject``; ``end`` is recorded
-    together with the client's held count at that moment."""
+    together with the client's held count when it was sent, once it reaches the controller
+    (``end_delay_s`` later; None: never), like an actor call: it runs whether or not it is awaited."""
 
-    def __init__(self, client_box: list, worker: _Worker, reject=None, begin_delay_s: float = 0.0):
+    def __init__(self, client_box: list, worker: _Worker, reject=None, begin_delay_s: float = 0.0,
+                 end_delay_s: float | None = 0.0):
         self.ends, self.begins = [], 0
 
         async def begin(client_id, request, timeout):
@@ -185,7 +187,18 @@ class _Controller:
 
         self.begin = _Method(begin)
         self.started = _Method(lambda *a: None)
-        self.end = _Method(lambda lid, fin, dead: self.ends.append((lid, fin, client_box[0].local.held.get("acme", 0))))
+
+        def end(lid, fin, dead):
+            held = client_box[0].local.held.get("acme", 0)
+
+            async def deliver():
+                if end_delay_s is None:
+                    await asyncio.Event().wait()
+                await asyncio.sleep(end_delay_s)
+                self.ends.append((lid, fin, held))
+            return asyncio.get_running_loop().create_task(deliver())
+
+        self.end = _Method(end)
 
 
 def _client(worker: _Worker, **kw):
@@ -228,7 +241,9 @@ async def test_client_releases_on_disconnect_on_worker_error_and_on_cancel():
     stream = c.generate(_request("gone"))
     await stream.__anext__()
     await stream.aclose()  # the HTTP client went away mid-stream
-    assert c.local.held["acme"] == 0 and c.handle.ends == [("gone", False, 0)]
+    assert c.local.held["acme"] == 0
+    await asyncio.sleep(0.05)  # its end was sent without waiting: it reaches the controller after
+    assert c.handle.ends == [("gone", False, 0)]
 
     c = _client(_Worker(error=ray.exceptions.ActorDiedError()))
     with pytest.raises(WorkerDied):
@@ -242,6 +257,26 @@ async def test_client_releases_on_disconnect_on_worker_error_and_on_cancel():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert c.local.held.get("acme", 0) == 0 and c.pre_admit("acme").ok
+
+
+async def test_a_finished_stream_ends_only_once_the_controller_has_ended_its_lease():
+    # the client may send its next request at once, to another ingress replica: that replica's
+    # begin must not find this lease still open (a spurious 429 at exactly max_concurrent)
+    c = _client(_Worker(n=3), end_delay_s=0.2)
+    async for _ in c.generate(_request()):
+        pass
+    assert c.handle.ends == [("r1", True, 0)]
+
+
+async def test_a_controller_that_never_acknowledges_an_end_does_not_hold_the_stream():
+    c = _client(_Worker(n=3), end_delay_s=None)
+    c.call_timeout_s = 0.1
+
+    async def drain():
+        return [out async for _, _, out in c.generate(_request())]
+    outs = await asyncio.wait_for(drain(), 10)
+    assert [o.finished for o in outs] == [False, False, True] and c.handle.ends == []
+    assert c.local.held["acme"] == 0 and c.pre_admit("acme").ok
 
 
 async def test_client_learns_a_rate_refusal():

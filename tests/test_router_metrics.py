@@ -40,6 +40,21 @@ def test_render_shows_routing_counts():
     assert _value(text, "kvmesh_router_bytes_pulled") == 1024
 
 
+def test_router_reports_the_signed_ttft_error_next_to_the_absolute_one():
+    from actors.router import Router
+
+    r = Router()
+    r.report_outcome("local", 1.0, 3.0)  # predicted 1 s, took 3 s
+    r.report_outcome("local", 2.0, 1.0)
+    r.report_outcome("pulled", 0.5, 0.5)
+    err = r.metrics()["ttft_error"]
+    assert err["local"]["mean_abs_s"] == 1.5 and err["local"]["mean_signed_s"] == -0.5
+    assert err["pulled"]["mean_signed_s"] == 0.0
+    text = Metrics(["acme"]).render({}, {}, {}, {}, {"ttft_error": err}).decode()
+    assert _value(text, "kvmesh_router_ttft_bias_seconds", kind="local") == -0.5
+    assert _value(text, "kvmesh_router_ttft_error_seconds", kind="local") == 1.5
+
+
 @pytest.mark.ray
 def test_metrics_over_http_show_router_decisions_with_two_workers(tmp_path):
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
