@@ -590,8 +590,28 @@ def series_summary(doc: dict, key: str) -> tuple[dict, dict]:
     return s, cv
 
 
+def worker_cpu_share(doc: dict, key: str = "shared_prefix") -> dict[str, list[dict]]:
+    """Per configuration and rate: CPU cores the worker processes used during the stage, and
+    that as a share of the worker hosts' capacity (``workers x node_cpus``; None when the hosts
+    share the machine's cores). A saturated throughput with a share well below 1 is capacity a
+    router left idle (or that the hosts' own Ray processes took); near 1, no router can serve more."""
+    args = doc.get("args") or {}
+    cap = (args.get("workers") or 0) * (args.get("node_cpus") or 0)
+    out: dict[str, list[dict]] = {}
+    for name, res in doc["configs"].items():
+        for st in res.get(key) or []:
+            cpu, run_s = st.get("cpu") or {}, st.get("run_s")
+            if not run_s or "worker" not in cpu.get("cpu_s", {}):
+                continue
+            cores = cpu["cpu_s"]["worker"] / run_s
+            out.setdefault(name, []).append({"rate": st["rate"], "worker_cores": round(cores, 3),
+                                             "share": round(cores / cap, 3) if cap else None})
+    return out
+
+
 def finish(doc: dict, out_json: Path) -> None:
     s, cv = series_summary(doc, "shared_prefix")
+    s["worker_cpu_share"] = worker_cpu_share(doc)
     hit_by_cfg = {n: v for n, v in s["hit_tokens_vs_oracle"].items() if n != "oracle"}
     hot_summary, hot = series_summary(doc, "hot_prefix")
     if hot:
@@ -636,6 +656,9 @@ def print_table(doc: dict) -> None:
     print("summary:", json.dumps(doc.get("summary", {}).get("throughput_at_equal_p99_ttft")),
           "hit vs oracle:", json.dumps(doc.get("summary", {}).get("hit_tokens_vs_oracle")),
           "p90 affinity/kvmesh:", doc.get("summary", {}).get("ttft_p90_affinity_over_kvmesh"))
+    for name, pts in (doc.get("summary", {}).get("worker_cpu_share") or {}).items():
+        print(f"worker CPU share of the hosts' capacity, {name}:",
+              ", ".join(f"{p['rate']:g}/s {_f(p['share'])}" for p in pts))
     hot = doc.get("summary", {}).get("hot_prefix")
     if hot:
         print("hot prefix:", json.dumps(hot.get("throughput_at_equal_p99_ttft")), "hit vs oracle:",

@@ -180,6 +180,16 @@ def test_finish_summarises_the_hot_prefix_series_apart_from_the_shared_prefix_on
     assert (tmp_path / "cluster.png").exists()
 
 
+def test_worker_cpu_share_is_worker_cores_over_the_hosts_capacity():
+    from bench.cluster import worker_cpu_share
+
+    stage = dict(_stage(1, 1.0, 1.0, 90, 100), run_s=50.0, cpu={"cpu_s": {"worker": 40.0, "router": 5.0}})
+    doc = {"args": {"workers": 4, "node_cpus": 0.4}, "configs": {"kvmesh": {"shared_prefix": [stage, _stage(2, 1.8, 2.0, 95, 100)]}}}
+    assert worker_cpu_share(doc) == {"kvmesh": [{"rate": 1, "worker_cores": 0.8, "share": 0.5}]}
+    doc["args"]["node_cpus"] = 0  # hosts share the machine's cores: no capacity to divide by
+    assert worker_cpu_share(doc)["kvmesh"][0]["share"] is None
+
+
 def test_a_noisy_curve_whose_p99_falls_with_load_still_gets_a_ratio():
     # affinity's p99 at its higher rate came out below the one at its lower rate (short stages):
     # its saturated p99 is its curve's highest so far, 2.23 s, not 1.98 s it never "reached"
