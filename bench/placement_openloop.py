@@ -374,8 +374,8 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "p=0.5": ({"reuse_prob": 0.5, "discount_held_elsewhere": False}, 0.0, "new"),
     "p=0.25": ({"reuse_prob": 0.25, "discount_held_elsewhere": False}, 0.0, "new"),
     "p=0": ({"reuse_prob": 0.0, "discount_held_elsewhere": False}, 0.0, "new"),
-    "measured": ({"discount_held_elsewhere": False}, 0.0, "new"),
-    "measured+elsewhere": ({}, 0.0, "new"),
+    "measured": ({"reuse_prob": None, "discount_held_elsewhere": False}, 0.0, "new"),
+    "measured+elsewhere": ({"reuse_prob": None}, 0.0, "new"),
     "legacy slack=0.5": ({"place_slack": 0.5}, 0.0, "legacy"),
     "legacy slack=0": ({"place_slack": 0.0}, 0.0, "legacy"),
     "legacy decode=0.25": ({}, 0.25, "legacy"),
@@ -383,9 +383,9 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "p=0.5+elsewhere": ({"reuse_prob": 0.5}, 0.0, "new"),
     "p=1 decode=0.25": ({"reuse_prob": 1.0, "discount_held_elsewhere": False}, 0.25, "new"),
     "p=1 decode=0.5": ({"reuse_prob": 1.0, "discount_held_elsewhere": False}, 0.5, "new"),
-    "measured+elsewhere decode=0.25": ({}, 0.25, "new"),
+    "measured+elsewhere decode=0.25": ({"reuse_prob": None}, 0.25, "new"),
     "p=1+elsewhere decode=0.5": ({"reuse_prob": 1.0}, 0.5, "new"),
-    "measured+elsewhere decode=0.5": ({}, 0.5, "new"),
+    "measured+elsewhere decode=0.5": ({"reuse_prob": None}, 0.5, "new"),
 }
 
 
