@@ -13,7 +13,9 @@ default: the fewer in-flight of two random workers) and ``affinity`` (an imitati
 ``PrefixCacheAffinityRouter``: a prefix tree of routed prompts per replica, highest match when
 it is >= 10% of the prompt, else the replica with the smallest tree; the least loaded of those).
 The score is the cluster's hit tokens against ``bench.workloads.oracle_hits`` (one infinite
-cache). ``python bench/placement_sim.py`` prints the table for the issue's sizing.
+cache). ``python bench/placement_sim.py`` prints the table for the issue's sizing. Its open-loop
+sibling, ``bench/placement_openloop.py``, replays the cluster bench's rate stages through a
+step-level model of the engine (Poisson arrivals, decode rows, pulls priced by bandwidth).
 """
 
 from __future__ import annotations

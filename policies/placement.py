@@ -11,18 +11,33 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     burst of one group does not scatter over workers (each computing it) or miss the holder.
     It is reconciled with the global index: an entry older than ``index_lag_s`` that the index
     does not show is gone (evicted, or its request failed).
-  * **new prefixes go where they evict the least.** A prompt with no significant match (under
+  * **new prefixes go where they cost the least.** A prompt with no significant match (under
     ``min_match_fraction`` of its blocks anywhere) is placed, among the workers whose expected
-    TTFT is within ``place_slack`` of the fastest (load-based spill-over), on the one whose
-    cache would evict the fewest warm blocks to take it; among those where it fits in free
-    space, the least loaded (then the most free), among those that must evict, the coldest
-    victims (then the least loaded); a rendezvous hash of the prompt's leading blocks breaks the remaining ties (so ties
-    spread prompts over workers instead of piling them on the first).
+    TTFT is within ``place_slack`` x its own prefill of the fastest (load-based spill-over), on
+    the one with the least expected TTFT plus the expected recompute of the warm blocks its
+    cache would evict to take it: ``evict_weight`` x p(reuse) x warm blocks x the prompt's prefill
+    per block. Near ties (``tie_ratio``/``tie_abs_s``) go by headroom: the fewest warm evictions;
+    among workers where it fits in free space, the least loaded (then the most free), among those
+    that must evict, the coldest victims (then the least loaded); a rendezvous hash of the
+    prompt's leading blocks breaks the remaining ties (so ties spread prompts over workers
+    instead of piling them on the first).
+  * **a warm block is one a later prompt may ask for.** Used within ``warm_s``, not private (a
+    request's unshared tail and output: nobody asks for it) and, with
+    ``discount_held_elsewhere``, held by no other worker's shadow (a copy there is pulled back,
+    a transfer, not a recompute: at 1 Gbit/s ~1/15 of a 0.4-core prefill per block).
+  * **p(reuse) is 1 by default, and measured** (``Placer.reuse``, a ``ReuseEstimate``): the
+    share of blocks a shadow dropped while warm that a later prompt asked for before they would
+    have gone cold (the router's "ghosts"), a Beta(``reuse_prior``) posterior mean over about the
+    last ``reuse_window`` blocks; ``reuse_prob=None`` charges evictions at it. Not the default:
+    on the cluster bench's workload (``bench/placement_openloop.py``, cluster/README "Placement
+    trade-off, session 7") it measured 0.3-0.6 and charging at it lost hits (0.92 of the oracle
+    against 0.96) and throughput; under load a recompute delays every request queued behind it,
+    so one eviction costs more than its own prefill, and p = 1 prices that better.
   * **matches stay with their holder unless it is clearly slower.** With holders, the best
     holder wins unless another option (a pull to, or a recompute on, a less loaded worker) is
     faster by ``spill_ratio`` and ``spill_abs_s``, its TTFT charged with the warm blocks it would
-    evict (each at the prompt's prefill time per block: what recomputing them later costs): a
-    copy takes cache space that other groups need now or when they arrive. A recompute copy is
+    evict (each at p(reuse) x the prompt's prefill time per block: what recomputing them later
+    is expected to cost): a copy takes cache space that other groups may need. A recompute copy is
     also charged the prefill it repeats (the blocks the holder would reuse, ``compute_weight``):
     compute spent twice is compute another request waits for, so under load a busy holder is
     relieved by a pull (no compute) before a recompute. A hot group spills to a second worker under load (the cost
@@ -33,7 +48,8 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     eviction key above), not by worker order.
 
 Invariants: a ``ShadowCache`` never holds more than its capacity; ``choose`` returns one of the
-given views; with no views it raises ``ValueError``.
+given views; with no views it raises ``ValueError``; a measured p(reuse) lies in (0, 1); with
+p(reuse) 1 and no held-elsewhere discount every warm eviction is charged a full recompute.
 """
 
 from __future__ import annotations
@@ -42,7 +58,7 @@ import hashlib
 import itertools
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Hashable, Literal, Mapping, Sequence
+from typing import Callable, Hashable, Literal, Mapping, Sequence
 
 from policies.routing import Candidate, WorkerId
 
@@ -56,18 +72,29 @@ class PlacementConfig:
     min_match_blocks: int = 1
     spill_ratio: float = 0.5  # leave a holder only for an option this much faster ...
     spill_abs_s: float = 0.05  # ... plus this
-    evict_weight: float = 1.0  # a spill's warm evictions, charged at this x their recompute time
+    evict_weight: float = 1.0  # warm evictions are charged this x p(reuse) x their recompute time
     compute_weight: float = 1.0  # a spill's extra prefill (blocks the holder reuses and it computes), at this x
     tie_ratio: float = 0.05  # TTFTs this close to the best are ties ...
     tie_abs_s: float = 0.005  # ... or this close
     place_slack: float = 1.0  # new prefix: workers within this x the prompt's own prefill of the fastest
     place_abs_s: float = 0.05
-    warm_s: float = 30.0  # a block used this recently is warm: evicting it costs a future hit
+    warm_s: float = 30.0  # a block used this recently is warm: evicting it may cost a future hit
+    reuse_prob: float | None = 1.0  # p(an evicted warm block is asked for again); None: measured (ghosts)
+    reuse_prior: tuple[float, float] = (16.0, 16.0)  # Beta prior of the measured p, in blocks (mean 0.5)
+    reuse_window: float = 1024.0  # the measured p forgets: counts are kept to about this many blocks
+    discount_held_elsewhere: bool = True  # a warm victim another worker holds is not charged (pulled back)
     index_lag_s: float = 30.0  # the index shows a routed prefix within this long (queue + prefill + publish)
     key_blocks: int = 4  # leading blocks that key the rendezvous tie-break
 
 
 TTFT_ONLY = PlacementConfig(spill_ratio=0.0, spill_abs_s=0.0, evict_weight=0.0, compute_weight=0.0)
+
+
+_PRIVATE = "private"
+
+
+def _private(key: Hashable) -> bool:
+    return type(key) is tuple and len(key) == 2 and key[0] == _PRIVATE
 
 
 class ShadowCache:
@@ -76,12 +103,13 @@ class ShadowCache:
 
     _anon = itertools.count()
 
-    def __init__(self, capacity_blocks: int):
+    def __init__(self, capacity_blocks: int, on_evict: Callable[[Hashable, float, float], None] | None = None):
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
         self.capacity = capacity_blocks
         self._lru: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()  # key -> (inserted, last used)
         self.evicted = 0
+        self.on_evict = on_evict  # (key, its last use, now) for every key the LRU drops
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -101,7 +129,7 @@ class ShadowCache:
         (its unshared tail, its output). The engine frees tail blocks first, so they become
         older than the shared prefix, whose first block is the most recent."""
         for _ in range(private_blocks):
-            self._put(("private", next(self._anon)), now)
+            self._put((_PRIVATE, next(self._anon)), now)
         for key in reversed(chain):
             self._put(key, now)
 
@@ -109,8 +137,10 @@ class ShadowCache:
         old = self._lru.pop(key, None)
         self._lru[key] = (old[0] if old else now, now)
         while len(self._lru) > self.capacity:
-            self._lru.popitem(last=False)
+            gone, (_, used) = self._lru.popitem(last=False)
             self.evicted += 1
+            if self.on_evict is not None:
+                self.on_evict(gone, used, now)
 
     def reconcile(self, chain: Sequence[bytes], indexed_blocks: int, now: float, lag_s: float) -> None:
         """The index shows ``indexed_blocks`` of ``chain`` here: drop deeper entries it should
@@ -120,19 +150,90 @@ class ShadowCache:
             if ent is not None and ent[0] < now - lag_s:
                 del self._lru[key]
 
-    def eviction_cost(self, new_blocks: int, now: float, warm_s: float) -> tuple[int, int, float]:
+    def eviction_cost(self, new_blocks: int, now: float, warm_s: float,
+                      held_elsewhere: Callable[[Hashable], bool] | None = None) -> tuple[int, int, float]:
         """What taking ``new_blocks`` more blocks costs, smaller is better: ``(0, 0, -free blocks
         left)`` when they fit in free space, else ``(warm blocks evicted, 1, -age of the most
-        recently used block evicted)`` (evicting colder blocks is cheaper)."""
+        recently used block evicted)`` (evicting colder blocks is cheaper). A warm block counts
+        only if a later prompt could ask for it (private blocks never are) and, given
+        ``held_elsewhere``, only if no other worker holds it (a copy there is pulled, not recomputed)."""
         need = len(self._lru) + new_blocks - self.capacity
         if need <= 0:
             return 0, 0, float(need)
         warm, newest = 0, float("-inf")
-        for _, (_, used) in itertools.islice(self._lru.items(), min(need, len(self._lru))):
-            warm += used > now - warm_s
+        for key, (_, used) in itertools.islice(self._lru.items(), min(need, len(self._lru))):
+            warm += (used > now - warm_s and not _private(key)
+                     and not (held_elsewhere is not None and held_elsewhere(key)))
             newest = max(newest, used)
         warm += max(0, need - len(self._lru))  # more than the whole cache
         return warm, 1, (newest - now) if newest > float("-inf") else 0.0
+
+
+class ReuseEstimate:
+    """p(reuse): how often a block evicted while warm is asked for again before it would have
+    gone cold, measured on the router's own evictions (its "ghosts": keys a ``ShadowCache``
+    dropped within ``warm_s`` of their last use). A ghost a later prompt asks for by its
+    deadline (last use + ``warm_s``) is a reuse; one that reaches its deadline unasked is not.
+    ``p`` is the Beta(``prior``) posterior mean of those outcomes; counts are scaled down to
+    about ``window`` blocks so that p follows a changing workload. Invariant: 0 < p < 1; at
+    most ``max_ghosts`` keys are remembered (the oldest are resolved as not reused)."""
+
+    def __init__(self, warm_s: float, prior: tuple[float, float] = (16.0, 16.0), window: float = 1024.0,
+                 max_ghosts: int = 1 << 16):
+        if prior[0] <= 0 or prior[1] <= 0 or window <= 0:
+            raise ValueError("the prior's counts and the window must be positive")
+        self.warm_s, self.prior, self.window, self.max_ghosts = warm_s, prior, window, max_ghosts
+        self._ghosts: OrderedDict[Hashable, float] = OrderedDict()  # key -> deadline, in eviction order
+        self.reused = 0.0
+        self.unused = 0.0
+
+    def __len__(self) -> int:
+        return len(self._ghosts)
+
+    @property
+    def p(self) -> float:
+        a, b = self.prior
+        return (self.reused + a) / (self.reused + self.unused + a + b)
+
+    def evicted(self, key: Hashable, last_used: float, now: float) -> None:
+        """A shadow cache dropped ``key`` (last used ``last_used``) at ``now``."""
+        deadline = last_used + self.warm_s
+        if _private(key) or deadline <= now:
+            return  # nobody asks for a private block; a cold one was no loss
+        self._ghosts.pop(key, None)
+        self._ghosts[key] = deadline
+        while len(self._ghosts) > self.max_ghosts:
+            self._ghosts.popitem(last=False)
+            self._count(0.0, 1.0)
+
+    def asked(self, keys: Sequence[Hashable], now: float) -> None:
+        """A prompt asks for ``keys``: ghosts among them are reuses (those past their deadline
+        are resolved as not reused first)."""
+        self.expire(now)
+        hits = sum(self._ghosts.pop(k, None) is not None for k in keys)
+        if hits:
+            self._count(float(hits), 0.0)
+
+    def expire(self, now: float) -> None:
+        """Resolve ghosts past their deadline as not reused. Deadlines are near eviction order
+        (the LRU drops its oldest first), so scanning from the oldest stops at the first live one."""
+        n = 0
+        while self._ghosts:
+            key, deadline = next(iter(self._ghosts.items()))
+            if deadline > now:
+                break
+            del self._ghosts[key]
+            n += 1
+        if n:
+            self._count(0.0, float(n))
+
+    def _count(self, reused: float, unused: float) -> None:
+        self.reused += reused
+        self.unused += unused
+        total = self.reused + self.unused
+        if total > self.window:
+            self.reused *= self.window / total
+            self.unused *= self.window / total
 
 
 @dataclass(frozen=True)
@@ -192,11 +293,15 @@ def _within(views: Sequence[WorkerView], best_s: float, ratio: float, abs_s: flo
 
 
 def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: float,
-           config: PlacementConfig = PlacementConfig()) -> Placement:
-    """The worker for one request (see the module docstring for the rules)."""
+           config: PlacementConfig = PlacementConfig(), reuse_p: float | None = None) -> Placement:
+    """The worker for one request (see the module docstring for the rules). ``reuse_p``: the
+    probability that an evicted warm block is needed again (None: ``config.reuse_prob``, or 1)."""
     if not views:
         raise ValueError("no workers to choose from")
     c = config
+    p = reuse_p if reuse_p is not None else (c.reuse_prob if c.reuse_prob is not None else 1.0)
+    block_s = prompt_prefill_s / max(1, usable_blocks)
+    charge = c.evict_weight * p * block_s  # expected recompute, per warm block evicted
     threshold = max(c.min_match_blocks, c.min_match_fraction * usable_blocks)
     holders = [v for v in views if v.local_blocks >= threshold and v.local_blocks > 0]
     fastest = min(v.ttft_s for v in views)
@@ -210,8 +315,7 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
         # Under load that compute is taken from other requests (on shared or busy hardware it
         # is their delay), so a recompute copy must win by its own prefill too; a pull computes
         # nothing and pays only its transfer (in its TTFT).
-        block_s = prompt_prefill_s / max(1, usable_blocks)
-        eff = {v.worker: v.ttft_s + c.evict_weight * v.eviction[0] * block_s
+        eff = {v.worker: v.ttft_s + charge * v.eviction[0]
                + c.compute_weight * max(0, best_h.reused - v.reused) * block_s for v in views}
         best_eff = min(eff.values())
         if best_h_s > best_eff * (1 + c.spill_ratio) + c.spill_abs_s:
@@ -219,8 +323,14 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
             v = min((v for v in views if eff[v.worker] <= limit + 1e-12), key=_headroom_key)
             return Placement(v.worker, "spill", v)
         return Placement(best_h.worker, "match", best_h)
+    # a new prefix: its own TTFT plus the expected recompute of the warm blocks it evicts
+    # (p(reuse) x their prefill), among the workers within the slack of the fastest; near ties
+    # by headroom (fewest warm evictions, then load / free space / coldest victims)
     eligible = _within(views, fastest, 0.0, max(c.place_abs_s, c.place_slack * prompt_prefill_s))
-    v = min(eligible, key=_headroom_key)
+    cost = {v.worker: v.ttft_s + charge * v.eviction[0] for v in eligible}
+    best = min(cost.values())
+    limit = best + max(c.tie_abs_s, c.tie_ratio * best)
+    v = min((v for v in eligible if cost[v.worker] <= limit + 1e-12), key=_headroom_key)
     return Placement(v.worker, "place", v)
 
 
@@ -233,11 +343,18 @@ class Placer:
         self.default_capacity = default_capacity
         self.shadows: dict[WorkerId, ShadowCache] = {}
         self.placements: Counter[str] = Counter()  # decisions by rule (match | spill | place; -fallback)
+        c = self.config
+        self.reuse = ReuseEstimate(c.warm_s, c.reuse_prior, c.reuse_window)  # fed by every shadow's evictions
+
+    @property
+    def reuse_p(self) -> float:
+        """The p(reuse) decisions use: the configured one, else the measured one."""
+        return self.config.reuse_prob if self.config.reuse_prob is not None else self.reuse.p
 
     def shadow(self, worker: WorkerId, capacity_blocks: int | None = None) -> ShadowCache:
         s = self.shadows.get(worker)
         if s is None or (capacity_blocks and s.capacity != capacity_blocks):
-            fresh = ShadowCache(capacity_blocks or self.default_capacity)
+            fresh = ShadowCache(capacity_blocks or self.default_capacity, self.reuse.evicted)
             if s is not None:
                 for k, v in s._lru.items():
                     fresh._put(k, v[1])
@@ -271,6 +388,8 @@ class Placer:
         pending = self.pending(chains, held, workers, now) if chains else {}
         local = {w: max((held or {}).get(w, 0), pending.get(w, 0)) for w in workers}
         own = list(chains.get(own_domain, ()))
+        if reuse:
+            self.reuse.asked([k for chain in chains.values() for k in chain], now)
         total = -(-(prompt + max_tokens) // block_size)
         proxy = {w: PROXY_TOKEN_S * (loads.get(w, 0.0) + prompt - local[w] * block_size) for w in workers}
         views = self.views(ranking or None, workers, local, total, loads,
@@ -278,7 +397,7 @@ class Placer:
         if not views:
             return None
         prefill = full_prefill_s(ranking, prompt) if ranking else PROXY_TOKEN_S * prompt
-        placed = choose(views, usable, prefill, self.config)
+        placed = choose(views, usable, prefill, self.config, self.reuse_p)
         self.placements[placed.kind if ranking else f"{placed.kind}-fallback"] += 1
         if reuse:
             self.commit(placed.worker, own, max(0, total - len(own)), now)
@@ -318,10 +437,14 @@ class Placer:
             have = local_blocks.get(w, 0)
             ttft = cand.expected_ttft_s if cand is not None else (fallback_ttft or {}).get(w, loads.get(w, 0.0))
             reused = max(have, cand.cached_tokens // block_size) if cand is not None and block_size else None
-            out.append(WorkerView(w, ttft, have, self.shadow(w).eviction_cost(max(0, new_blocks - have), now,
-                                                                              self.config.warm_s),
-                                  loads.get(w, 0.0), order[w], cand, reused))
+            elsewhere = self._held_elsewhere(w) if self.config.discount_held_elsewhere else None
+            cost = self.shadow(w).eviction_cost(max(0, new_blocks - have), now, self.config.warm_s, elsewhere)
+            out.append(WorkerView(w, ttft, have, cost, loads.get(w, 0.0), order[w], cand, reused))
         return out
+
+    def _held_elsewhere(self, worker: WorkerId) -> Callable[[Hashable], bool]:
+        others = [s for w, s in self.shadows.items() if w != worker]
+        return lambda key: any(key in s for s in others)
 
     def commit(self, worker: WorkerId, chain: Sequence[bytes], private_blocks: int, now: float) -> None:
         """Record that a request using ``chain`` (its own domain's hashes) went to ``worker``."""

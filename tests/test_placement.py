@@ -312,3 +312,105 @@ def test_a_tenant_uses_its_own_and_the_shared_workers_never_another_tenants():
     pool.workers["w1"].tenant = pool.workers["w3"].tenant = "globex"
     assert [w.worker_id for w in pool.candidates("acme")] == ["w0"]
     assert [w.worker_id for w in pool.candidates("other")] == ["w0", "w1", "w2", "w3"]  # none of its own: any
+
+
+# -- p(reuse): warm evictions charged at how often they are needed again ----------------------
+def test_reuse_estimate_counts_ghosts_asked_before_their_deadline():
+    from policies.placement import ReuseEstimate
+
+    r = ReuseEstimate(warm_s=30.0, prior=(1.0, 1.0))
+    assert r.p == 0.5
+    for i in range(10):
+        r.evicted(b"g%d" % i, last_used=0.0, now=5.0)  # warm when dropped: ghosts until t=30
+    r.evicted(b"cold", last_used=0.0, now=40.0)  # cold when dropped: no loss, not a ghost
+    r.evicted(("private", 7), last_used=5.0, now=5.0)  # nobody asks for a private block
+    assert len(r) == 10
+    r.asked([b"g0", b"g1", b"g2", b"other"], now=10.0)  # asked for again in time: reuses
+    assert (r.reused, r.unused) == (3.0, 0.0) and len(r) == 7
+    r.asked([b"g3"], now=31.0)  # past its deadline: g3..g9 resolve as not reused first
+    assert (r.reused, r.unused) == (3.0, 7.0) and len(r) == 0
+    assert r.p == pytest.approx(4 / 12)
+
+
+def test_reuse_estimate_forgets_so_it_follows_the_workload():
+    from policies.placement import ReuseEstimate
+
+    r = ReuseEstimate(warm_s=1.0, prior=(1.0, 1.0), window=20.0)
+    for i in range(100):  # nothing is ever asked again
+        r.evicted(i, last_used=float(i), now=float(i))
+        r.expire(float(i) + 2.0)
+    low = r.p
+    assert low < 0.1 and r.reused + r.unused <= 20.0 + 1e-9
+    for i in range(100, 200):  # now every eviction is asked for again
+        r.evicted(i, last_used=float(i), now=float(i))
+        r.asked([i], now=float(i) + 0.5)
+    assert r.p > 0.9
+    with pytest.raises(ValueError):
+        ReuseEstimate(1.0, prior=(0.0, 1.0))
+
+
+def test_with_reuse_measured_low_a_new_prefix_evicts_on_an_idle_worker_rather_than_queue():
+    # w0: room for the prompt but 1.0 s of queue (within the slack of one 0.6 s prefill);
+    # w1: idle, but must evict 30 warm blocks (of 37) to take it
+    busy_roomy = view("w0", 1.1, eviction=(0, 0, -5.0), load=600.0)
+    idle_full = view("w1", 0.6, eviction=(30, 1, -1.0))
+    assert choose([busy_roomy, idle_full], 37, 0.6, reuse_p=1.0).worker == "w0"  # evictions ~ certain loss
+    assert choose([busy_roomy, idle_full], 37, 0.6).worker == "w0"  # p defaults to 1 without a measure
+    p = choose([busy_roomy, idle_full], 37, 0.6, reuse_p=0.2)  # 0.6 + 0.2 x 30 x 0.6/37 < 1.1
+    assert (p.kind, p.worker) == ("place", "w1")
+    assert choose([busy_roomy, idle_full], 37, 0.6, PlacementConfig(reuse_prob=0.2)).worker == "w1"
+
+
+def test_with_reuse_measured_low_a_hot_holder_spills_sooner():
+    holder = view("w0", 1.2, local=37)  # 2 x the pull elsewhere, which evicts 37 warm blocks
+    pull = WorkerView("w1", 0.6, 0, (37, 1, -1.0), reused_blocks=37)
+    assert choose([holder, pull], 37, 0.6, reuse_p=1.0).kind == "match"  # 1.2 < (0.6 + 0.6) x 1.5 + 0.05
+    assert choose([holder, pull], 37, 0.6).kind == "match"  # the default p(reuse) is 1
+    s = choose([holder, pull], 37, 0.6, reuse_p=0.1)  # 1.2 > (0.6 + 0.06) x 1.5 + 0.05
+    assert (s.kind, s.worker) == ("spill", "w1")
+
+
+def test_warm_blocks_another_worker_holds_are_not_charged():
+    s = ShadowCache(10)
+    s.touch([b"x%d" % i for i in range(6)], private_blocks=2, now=0.0)  # LRU: 2 private, x5..x0
+    assert s.eviction_cost(6, 1.0, 30.0)[0] == 2  # victims: 2 private (never asked for) + x5, x4 (warm)
+    assert s.eviction_cost(6, 1.0, 30.0, held_elsewhere=lambda k: k == b"x5")[0] == 1
+    placer = Placer()
+    for w in ("w0", "w1"):
+        placer.shadow(w, 10)
+    chain = [b"x%d" % i for i in range(6)]
+    placer.commit("w0", chain, 2, now=0.0)
+    placer.commit("w1", chain[:5], 0, now=0.0)  # w1 holds x0..x4 too
+    (v,) = placer.views(None, ["w0"], {}, 6, {}, b"k", now=1.0)
+    assert v.eviction[0] == 1  # only x5 would be lost; x4 can be pulled back from w1
+    no_discount = Placer(PlacementConfig(discount_held_elsewhere=False))
+    for w in ("w0", "w1"):
+        no_discount.shadow(w, 10)
+    no_discount.commit("w0", chain, 2, now=0.0)
+    no_discount.commit("w1", chain[:5], 0, now=0.0)
+    assert no_discount.views(None, ["w0"], {}, 6, {}, b"k", now=1.0)[0].eviction[0] == 2
+
+
+def test_the_placer_measures_reuse_from_its_own_evictions():
+    """Fresh groups that never return (each stage of the cluster bench): the evicted warm blocks
+    are never asked for again, so the measured p falls below the prior's 0.5; a group that
+    keeps coming back after its eviction raises it."""
+    workers = ["w0"]
+    cm, placer = _cost_model(workers), Placer(PlacementConfig(warm_s=10.0))
+    placer.shadow("w0", 48)
+    t = 0.0
+    for g in range(12):  # a new group every 2 s on a pool of one group: each evicts the last
+        (it,) = shared_prefix(groups=1, users=1, seed=100 + g)
+        _route(placer, cm, it, workers, {}, {}, now=t)
+        t += 2.0
+    placer.reuse.expire(t + 20.0)
+    assert placer.reuse.p < 0.4
+    fresh = Placer(PlacementConfig(warm_s=10.0))
+    fresh.shadow("w0", 48)
+    a, b = (shared_prefix(groups=1, users=8, seed=s) for s in (1, 2))
+    for i in range(8):  # two groups alternate on a pool of one: each asks for what the other evicted
+        _route(fresh, cm, a[i], workers, {}, {}, now=4.0 * i)
+        _route(fresh, cm, b[i], workers, {}, {}, now=4.0 * i + 2.0)
+    assert fresh.reuse.p > 0.6
+    assert fresh.reuse_p == 1.0  # measured, but decisions use the configured p unless told otherwise
+    assert Placer(PlacementConfig(reuse_prob=None)).reuse_p == 0.5  # the prior's mean before any ghost

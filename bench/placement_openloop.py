@@ -1,0 +1,511 @@
+"""Open-loop replay of the cluster bench's shared-prefix stages through a router and a step-level
+model of the workers (no model, no Ray): the placement trade-off behind issue 11's TTFT gap.
+
+``bench/placement_sim.py`` replays a closed loop through one prefill server per worker; this
+replays what ``bench/cluster.py`` drives: rate stages run one after the other (the next starts
+when the last drained; the caches carry over), each with a fresh set of groups (inference-perf's
+``shared_prefix``: ``groups`` x ``users`` prompts of a ``system_len``-token system prompt and a
+``question_len``-token question, ``output_len`` output tokens) arriving as a Poisson process.
+
+A worker is the engine's real ``BlockPool`` plus a model of its scheduler: each step carries one
+row per decoding sequence, then prefill chunks (FIFO; a running prompt's chunk is at most
+``long_prefill`` tokens while another prompt waits), admitting waiting prompts while the token budget and free
+blocks allow (strict FIFO), and takes ``step_s + token_s * prefill tokens + row_s * rows``
+seconds (a CPU step grows with its tokens and rows: decodes slow the prefill they share a step
+with). A prompt's measured prefill is the step time attributed to its chunks by token share, as
+``engine.llm_engine`` measures it. A prompt's full blocks enter the pool (and so the index that
+routers see) as its chunks compute them, as ``engine.kv_manager`` commits them. A planned pull takes ``rtt + bytes / bandwidth`` (the slower end of the
+two nodes' links; ``slow_workers`` sit behind a ``slow_Bps`` link) before the request joins the
+worker's queue; blocks a holder lost meanwhile are recomputed.
+
+The kvmesh router is fed as ``cluster.routing.CostAwareRouter`` is fed by ``cluster.pool``:
+per worker ``WorkerLoad(waiting_tokens=prompt - the choice's cached tokens of each routed request
+without a first token, running=requests past it)``, one prefill sample per request at its first
+token, one transfer sample per pull, and the index = what the pools hold.
+
+Scores per stage: TTFT p50/p90/p99, completed requests/s (``n / max(drain, stage_s)``, as the
+bench), hit tokens against one infinite cache (``bench.workloads.oracle_hits``), and per router the
+throughput at equal p99 TTFT against the affinity imitation (``bench.cluster_report``).
+``python bench/placement_openloop.py`` runs the sweep and writes
+``bench/results/placement_sim_tradeoff.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import importlib.util
+import itertools
+import json
+import math
+import random
+import subprocess
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.cluster_report import Point, equal_p99_ratio  # noqa: E402
+from bench.loadgen import percentile  # noqa: E402
+from bench.placement_sim import _Affinity  # noqa: E402
+from bench.workloads import WorkItem, oracle_hits, shared_prefix  # noqa: E402
+from engine.block_pool import BlockPool, extra_key, hash_blocks, prompt_chains  # noqa: E402
+from policies.placement import Placer, PlacementConfig  # noqa: E402
+from policies.routing import CostConfig, CostModel, WorkerLoad  # noqa: E402
+
+MODEL = "sim"
+ROUTERS = ("kvmesh", "affinity", "pow2", "round_robin")
+
+
+@dataclass(frozen=True)
+class OpenConfig:
+    workers: int = 4
+    capacity_blocks: int = 128  # 2,048 tokens: the cluster bench's pool
+    block_size: int = 16
+    step_s: float = 0.3  # fixed cost of one engine step on a 0.4-core node
+    token_s: float = 2.6 / 552  # per prefill token: a 552-token prompt alone ~3.2 s (2 steps)
+    row_s: float = 0.15  # per decode row (TPOT ~0.5-0.65 s with 1-2 decoding, more with a chunk)
+    budget: int = 512  # max_num_batched_tokens
+    long_prefill: int = 256  # chunk cap while other prompts wait
+    bytes_per_token: int = 46080
+    fast_Bps: float = 125e6  # 1 Gbit/s
+    slow_Bps: float = 12.5e6  # 100 Mbit/s
+    slow_workers: int = 1
+    rtt_s: float = 1e-3
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Stage:
+    rate: float
+    items: tuple[WorkItem, ...]  # arrival times relative to the stage's start
+    stage_s: float = 45.0
+
+
+def stages(rates: Sequence[float] = (0.4, 0.7, 1.0, 1.3), stage_s: float = 45.0, groups: int = 12, users: int = 5,
+           system_len: int = 512, question_len: int = 40, output_len: int = 16, seed: int = 0,
+           hot: bool = False) -> list[Stage]:
+    """One stage per rate, fresh groups each (``hot``: one group, users enough that no prompt
+    repeats, as the bench's hot-prefix variant); Poisson arrivals over ``stage_s``."""
+    out = []
+    for k, rate in enumerate(rates):
+        rng = random.Random(seed * 7919 + k)
+        n_users = int(rate * stage_s) + 4 if hot else users
+        pool = shared_prefix(1 if hot else groups, n_users, system_len, question_len, output_len,
+                             seed=seed * 7919 + 1000 + k)
+        t, items = 0.0, []
+        for i in itertools.count():
+            t += rng.expovariate(rate)
+            if t > stage_s:
+                break
+            it = pool[i % len(pool)]
+            items.append(replace(it, at_s=t, group=f"s{k}{it.group}"))
+        out.append(Stage(rate, tuple(items), stage_s))
+    return out
+
+
+@dataclass
+class _Req:
+    item: WorkItem
+    rid: int
+    arrival: float
+    worker: str = ""
+    chain: list = field(default_factory=list)
+    pulls: list = field(default_factory=list)
+    hit: int = 0
+    computed: int = 0
+    blocks: list = field(default_factory=list)
+    prefill_s: float = 0.0
+    first_at: float | None = None
+    left: int = 0
+    done_at: float | None = None
+
+
+class _Worker:
+    def __init__(self, wid: str, cfg: OpenConfig, bandwidth: float):
+        self.wid, self.cfg, self.bandwidth = wid, cfg, bandwidth
+        self.now = 0.0
+        self.pool = BlockPool(cfg.capacity_blocks, cfg.block_size, clock=lambda: self.now)
+        self.waiting: deque[_Req] = deque()
+        self.prefilling: list[_Req] = []
+        self.decoding: list[_Req] = []
+        self.busy = False
+        self.queued: dict[int, int] = {}  # the pool's view: routed, no first token yet
+        self.running = 0
+        self.inflight = 0
+
+    def holds(self, chain: Sequence[bytes]) -> int:
+        k = 0
+        while k < len(chain) and self.pool.get_cached_block(chain[k]) is not None:
+            k += 1
+        return k
+
+
+def legacy_placer(rev: str) -> type:
+    """``policies.placement.Placer`` as it was at git revision ``rev`` (the defaults this sweep
+    compares against), loaded from ``git show`` without touching the working tree."""
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:policies/placement.py"], check=True,
+                         capture_output=True, text=True).stdout
+    spec = importlib.util.spec_from_loader(f"_placement_{rev}", loader=None)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    exec(compile(src, f"{rev}:policies/placement.py", "exec"), mod.__dict__)
+    return mod.Placer
+
+
+def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
+             placement: PlacementConfig | None = None, decode_step_s: float = 0.0,
+             placer_cls: type = Placer) -> dict:
+    """Replay the stages through ``router``; figures per stage and overall."""
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {ROUTERS}")
+    bs = cfg.block_size
+    rng = random.Random(cfg.seed)
+    wids = [f"w{i}" for i in range(cfg.workers)]
+    slow = set(wids[cfg.workers - cfg.slow_workers:]) if cfg.slow_workers else set()
+    workers = {w: _Worker(w, cfg, cfg.slow_Bps if w in slow else cfg.fast_Bps) for w in wids}
+    cm = CostModel(CostConfig(block_size=bs, bytes_per_token=cfg.bytes_per_token, decode_step_s=decode_step_s))
+    for w in wids:
+        cm.register(w, w)
+    placer = placer_cls(placement) if placement is not None else placer_cls()
+    for w in wids:
+        placer.shadow(w, cfg.capacity_blocks)
+    affinity = _Affinity(wids, rng)
+    rr = itertools.cycle(wids)
+    events: list = []
+    seq = itertools.count()
+    now = 0.0
+    counts: Counter[str] = Counter()
+
+    def push(t: float, kind: str, payload) -> None:
+        heapq.heappush(events, (t, next(seq), kind, payload))
+
+    def route(r: _Req) -> str:
+        it = r.item
+        chains = prompt_chains(it.prompt_ids, bs, MODEL, (it.domain, *it.read_domains))
+        if router == "round_robin":
+            return next(rr)
+        if router == "pow2":
+            a, b = rng.sample(wids, 2)
+            return b if workers[b].inflight < workers[a].inflight else a
+        if router == "affinity":
+            return affinity.choose(chains[it.domain], len(it.prompt_ids), bs, {w: workers[w].inflight for w in wids})
+        holdings = {w: k * bs for w in wids if (k := max(workers[w].holds(c) for c in chains.values()))}
+        for w in wids:
+            cm.observe_load(w, WorkerLoad(tuple(n for n in workers[w].queued.values() if n), workers[w].running))
+        pend = placer.pending_tokens(chains, holdings, wids, len(it.prompt_ids), bs, now)
+        ranking = cm.rank(len(it.prompt_ids), holdings, wids, pend)
+        loads = {w: float(sum(workers[w].queued.values())) for w in wids}
+        placed = placer.decide(it.prompt_ids, it.max_tokens, bs, chains, it.domain, holdings, wids, loads, ranking, now)
+        c = placed.candidate
+        counts[placed.kind] += 1
+        counts[c.kind] += 1
+        workers[placed.worker].queued[r.rid] = max(0, len(it.prompt_ids) - c.cached_tokens)
+        if c.kind == "pulled":
+            r.pulls = [(p.holder, p.start_block, p.end_block) for p in c.pulls]
+        return placed.worker
+
+    def pull_time(w: _Worker, r: _Req) -> float:
+        worst = 0.0
+        for holder, start, end in r.pulls:
+            nbytes = (end - start) * bs * cfg.bytes_per_token
+            worst = max(worst, cfg.rtt_s + nbytes / min(w.bandwidth, workers[holder].bandwidth))
+        return worst
+
+    def import_pulls(w: _Worker, r: _Req, seconds: float) -> None:
+        got = w.holds(r.chain)
+        for holder, start, end in r.pulls:
+            h = workers[holder]
+            nbytes = (end - start) * bs * cfg.bytes_per_token
+            cm.links.observe_transfer(holder, w.wid, nbytes, seconds)
+            for k in range(max(start, got), end):
+                if h.pool.get_cached_block(r.chain[k]) is None or not w.pool.can_allocate(1):
+                    return
+                (blk,) = w.pool.allocate(1, r.item.tenant)
+                w.pool.cache_full_block(blk, r.chain[k], r.chain[k - 1] if k else None, r.item.tenant, r.item.domain)
+                w.pool.free([blk])
+                got = k + 1
+        r.pulls = []
+
+    def admit(w: _Worker, r: _Req) -> bool:
+        it = r.item
+        usable = max(0, (len(it.prompt_ids) - 1) // bs)
+        hit = min(w.holds(r.chain), usable)
+        total = -(-(len(it.prompt_ids) + it.max_tokens) // bs)
+        if total > cfg.capacity_blocks:
+            raise ValueError(f"a request needs {total} blocks; a pool has {cfg.capacity_blocks}")
+        hits = [w.pool.get_cached_block(h) for h in r.chain[:hit]]
+        w.pool.touch(hits)
+        if not w.pool.can_allocate(total - hit):
+            w.pool.free(hits)
+            return False
+        r.blocks = hits + w.pool.allocate(total - hit, it.tenant)
+        r.hit = r.computed = hit * bs
+        return True
+
+    def step(w: _Worker) -> None:
+        if w.busy:
+            return
+        w.now = now
+        rows = list(w.decoding)
+        budget = cfg.budget - len(rows)
+        chunks: list[tuple[_Req, int]] = []
+        for r in w.prefilling:
+            if budget <= 0:
+                break
+            cap = cfg.long_prefill if w.waiting else budget
+            n = min(len(r.item.prompt_ids) - r.computed, budget, cap)
+            chunks.append((r, n))
+            budget -= n
+        while w.waiting and budget > 0 and admit(w, w.waiting[0]):
+            r = w.waiting.popleft()
+            w.prefilling.append(r)
+            n = min(len(r.item.prompt_ids) - r.computed, budget)  # an admission's chunk is not capped
+            chunks.append((r, n))
+            budget -= n
+        if not rows and not chunks:
+            return
+        tokens = sum(n for _, n in chunks)
+        dt = cfg.step_s + cfg.token_s * tokens + cfg.row_s * len(rows)
+        w.busy = True
+        push(now + dt, "step", (w, rows, chunks, dt))
+
+    def end_step(w: _Worker, rows: list[_Req], chunks: list[tuple[_Req, int]], dt: float) -> None:
+        w.now = now
+        w.busy = False
+        w.pool.take_events()  # nobody reads the pool's events here
+        total = len(rows) + sum(n for _, n in chunks)
+        for r in rows:
+            r.left -= 1
+            if r.left <= 0:
+                w.decoding.remove(r)
+                w.pool.free(r.blocks)
+                w.running -= 1
+                w.inflight -= 1
+                r.done_at = now
+        for r, n in chunks:
+            r.computed += n
+            r.prefill_s += dt * n / total
+            for k in range(min(r.computed // bs, len(r.chain))):  # computed full blocks enter the pool
+                w.pool.cache_full_block(r.blocks[k], r.chain[k], r.chain[k - 1] if k else None, r.item.tenant,
+                                        r.item.domain)
+            if r.computed >= len(r.item.prompt_ids):
+                w.prefilling.remove(r)
+                r.first_at = now
+                cm.observe_prefill(w.wid, len(r.item.prompt_ids) - r.hit, r.prefill_s, r.hit)
+                w.queued.pop(r.rid, None)
+                w.running += 1
+                r.left = r.item.max_tokens - 1
+                if r.left <= 0:
+                    w.pool.free(r.blocks)
+                    w.running -= 1
+                    w.inflight -= 1
+                    r.done_at = now
+                else:
+                    w.decoding.append(r)
+        step(w)
+
+    per_stage, all_reqs = [], []
+    t0 = 0.0
+    rid = itertools.count()
+    for st in run:
+        reqs = [_Req(it, next(rid), t0 + it.at_s) for it in st.items]
+        for r in reqs:
+            push(r.arrival, "arrive", r)
+        while events:
+            now, _, kind, payload = heapq.heappop(events)
+            if kind == "arrive":
+                r = payload
+                r.chain = hash_blocks(r.item.prompt_ids, bs, extra_key(MODEL, r.item.domain))
+                r.worker = route(r)
+                w = workers[r.worker]
+                w.inflight += 1
+                if router != "kvmesh":
+                    w.queued[r.rid] = len(r.item.prompt_ids)
+                if r.pulls:
+                    secs = pull_time(w, r)
+                    push(now + secs, "pulled", (w, r, secs))
+                else:
+                    w.waiting.append(r)
+                    step(w)
+            elif kind == "pulled":
+                w, r, secs = payload
+                w.now = now
+                import_pulls(w, r, secs)
+                w.waiting.append(r)
+                step(w)
+            else:
+                end_step(*payload)
+        drained = max((r.done_at for r in reqs), default=t0)
+        per_stage.append(_stage_figures(st, reqs, t0, drained, bs))
+        all_reqs += reqs
+        t0 = drained + 1.0
+    evictions = {w: sum(s.evictions for s in workers[w].pool.stats.values()) for w in wids}
+    hits = sum(s["hit_tokens"] for s in per_stage)
+    oracle = sum(s["oracle_hit_tokens"] for s in per_stage)
+    reuse = getattr(getattr(placer, "reuse", None), "p", None) if router == "kvmesh" else None
+    return {"router": router, "stages": per_stage, "hit_tokens": hits, "oracle_hit_tokens": oracle,
+            "hit_vs_oracle": hits / oracle if oracle else 1.0, "evictions": evictions,
+            "decisions": dict(counts), "reuse_p_end": reuse}
+
+
+def _stage_figures(st: Stage, reqs: list[_Req], t0: float, drained: float, bs: int) -> dict:
+    ttft = [r.first_at - r.arrival for r in reqs]
+    oracle = sum(oracle_hits([r.item for r in reqs], bs))
+    hits = sum(r.hit for r in reqs)
+    return {"rate": st.rate, "requests": len(reqs), "throughput": len(reqs) / max(drained - t0, st.stage_s),
+            "ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90), "ttft_p99": percentile(ttft, 99),
+            "hit_tokens": hits, "oracle_hit_tokens": oracle,
+            "per_worker": dict(sorted(Counter(r.worker for r in reqs).items()))}
+
+
+# -- the sweep ---------------------------------------------------------------------------------
+BASELINE_REV = "76dceb6"  # main before this sweep's rule: its Placer is the "legacy" variant
+# name -> (PlacementConfig fields, decode_step_s, placer: "new" | "legacy")
+VARIANTS: dict[str, tuple[dict, float, str]] = {
+    "legacy": ({}, 0.0, "legacy"),  # the defaults the cluster bench ran (p(reuse) 1, lexicographic place)
+    "default": ({}, 0.0, "new"),  # this module's defaults: p(reuse) 1, victims held elsewhere not charged
+    "p=1": ({"reuse_prob": 1.0, "discount_held_elsewhere": False}, 0.0, "new"),
+    "p=0.5": ({"reuse_prob": 0.5, "discount_held_elsewhere": False}, 0.0, "new"),
+    "p=0.25": ({"reuse_prob": 0.25, "discount_held_elsewhere": False}, 0.0, "new"),
+    "p=0": ({"reuse_prob": 0.0, "discount_held_elsewhere": False}, 0.0, "new"),
+    "measured": ({"reuse_prob": None, "discount_held_elsewhere": False}, 0.0, "new"),
+    "measured+elsewhere": ({"reuse_prob": None}, 0.0, "new"),
+    "legacy slack=0.5": ({"place_slack": 0.5}, 0.0, "legacy"),
+    "legacy slack=0": ({"place_slack": 0.0}, 0.0, "legacy"),
+    "legacy decode=0.25": ({}, 0.25, "legacy"),
+    "p=1+elsewhere": ({"reuse_prob": 1.0}, 0.0, "new"),
+    "p=0.5+elsewhere": ({"reuse_prob": 0.5}, 0.0, "new"),
+    "p=1 decode=0.25": ({"reuse_prob": 1.0, "discount_held_elsewhere": False}, 0.25, "new"),
+    "p=1 decode=0.5": ({"reuse_prob": 1.0, "discount_held_elsewhere": False}, 0.5, "new"),
+    "measured+elsewhere decode=0.25": ({"reuse_prob": None}, 0.25, "new"),
+    "p=1+elsewhere decode=0.5": ({"reuse_prob": 1.0}, 0.5, "new"),
+    "measured+elsewhere decode=0.5": ({"reuse_prob": None}, 0.5, "new"),
+}
+
+
+def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _cache: dict = {}) -> list[dict]:
+    fields, decode_s, kind = VARIANTS[name] if name in VARIANTS else ({}, 0.0, "new")
+    router = name if name in ROUTERS else "kvmesh"
+    if kind == "legacy" and "legacy" not in _cache:
+        _cache["legacy"] = legacy_placer(BASELINE_REV)
+    placer_cls = _cache["legacy"] if kind == "legacy" else Placer
+    legacy_cfg = sys.modules[placer_cls.__module__].PlacementConfig if kind == "legacy" else PlacementConfig
+    rows = []
+    for seed in seeds:
+        res = simulate(stages(seed=seed, hot=hot), router, replace(cfg, seed=seed), legacy_cfg(**fields),
+                       decode_s, placer_cls)
+        rows.append({"seed": seed, **res})
+    return rows
+
+
+def run_closed(name: str, seeds: Sequence[int], _cache: dict = {}) -> dict:
+    """``bench/placement_sim.py``'s closed-loop issue sizing (its defaults) under a variant's
+    placement: the hit ratio it must keep."""
+    from bench import placement_sim as ps
+
+    fields, _, kind = VARIANTS[name] if name in VARIANTS else ({}, 0.0, "new")
+    if kind == "legacy" and "legacy" not in _cache:
+        _cache["legacy"] = legacy_placer(BASELINE_REV)
+    cls = _cache["legacy"] if kind == "legacy" else Placer
+    conf = sys.modules[cls.__module__].PlacementConfig(**fields)
+    router = name if name in ps.ROUTERS else "kvmesh"
+    saved, ps.Placer = ps.Placer, cls
+    try:
+        rows = []
+        for seed in seeds:
+            items, cfg = ps.issue_sizing(4, 4, 6, prefix_over_pool=3.5, rounds=3, seed=seed)
+            rows.append(ps.simulate(items, router, cfg, conf))
+    finally:
+        ps.Placer = saved
+    return {"hit_vs_oracle": sum(r["hit_vs_oracle"] for r in rows) / len(rows),
+            "hit_vs_oracle_min": min(r["hit_vs_oracle"] for r in rows),
+            "ttft_p90_s": sum(r["ttft_p90_s"] for r in rows) / len(rows), "seeds": len(rows)}
+
+
+def aggregate(rows: list[dict]) -> dict:
+    """Per rate: the mean over seeds of each stage figure; the curve's equal-p99 inputs."""
+    rates = sorted({s["rate"] for r in rows for s in r["stages"]})
+    out = {}
+    for rate in rates:
+        ss = [s for r in rows for s in r["stages"] if s["rate"] == rate]
+        out[str(rate)] = {k: sum(s[k] for s in ss) / len(ss)
+                          for k in ("throughput", "ttft_p50", "ttft_p90", "ttft_p99")}
+        hits, oracle = sum(s["hit_tokens"] for s in ss), sum(s["oracle_hit_tokens"] for s in ss)
+        out[str(rate)]["hit_vs_oracle"] = hits / oracle if oracle else 1.0
+    hits, oracle = sum(r["hit_tokens"] for r in rows), sum(r["oracle_hit_tokens"] for r in rows)
+    per_seed = {str(r["seed"]): {str(s["rate"]): [round(s[k], 4) for k in ("throughput", "ttft_p50", "ttft_p90",
+                                                                          "ttft_p99")] for s in r["stages"]}
+                for r in rows}
+    return {"per_rate": out, "hit_vs_oracle": hits / oracle if oracle else 1.0,
+            "reuse_p_end": [r["reuse_p_end"] for r in rows], "seeds": len(rows),
+            "per_seed": per_seed}  # seed -> rate -> [throughput, p50, p90, p99]
+
+
+def paired(a: dict, b: dict) -> dict:
+    """Per rate: mean and standard error over seeds of ``a`` - ``b`` (same seeds, same arrivals)
+    for [throughput, p50, p90, p99]."""
+    out = {}
+    seeds = sorted(set(a["per_seed"]) & set(b["per_seed"]))
+    for rate in a["per_rate"]:
+        d = [[x - y for x, y in zip(a["per_seed"][s][rate], b["per_seed"][s][rate])] for s in seeds]
+        n = len(d)
+        mean = [sum(col) / n for col in zip(*d)]
+        se = [math.sqrt(sum((v - m) ** 2 for v in col) / max(1, n - 1) / n) for col, m in zip(zip(*d), mean)]
+        out[rate] = {"mean": [round(m, 4) for m in mean], "se": [round(e, 4) for e in se]}
+    return out
+
+
+def curve(agg: dict) -> list[Point]:
+    return [Point(float(rate), v["throughput"], v["ttft_p50"], v["ttft_p90"], v["ttft_p99"])
+            for rate, v in agg["per_rate"].items()]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", default=",".join([*ROUTERS[1:], *VARIANTS]),
+                    help=f"comma list of {list(VARIANTS)} and baseline routers {ROUTERS[1:]}")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--workload", choices=("shared", "hot", "closed"), default="shared",
+                    help="shared: the cluster bench's stages; hot: one group; closed: placement_sim's defaults")
+    ap.add_argument("--json", default=str(ROOT / "bench/results/placement_sim_tradeoff.json"),
+                    help="merge the aggregated rows into this file (by workload and variant)")
+    a = ap.parse_args(argv)
+    cfg = OpenConfig()
+    path = Path(a.json)
+    doc = json.loads(path.read_text()) if path.exists() else {}
+    doc.setdefault("bench", "bench/placement_openloop.py")
+    doc["config"] = asdict(cfg)
+    doc["baseline_rev"] = BASELINE_REV
+    res = doc.setdefault(a.workload, {})
+    for name in a.variants.split(","):
+        t = time.perf_counter()
+        if a.workload == "closed":
+            res[name] = agg = run_closed(name, range(a.seeds))
+            print(f"closed {name:32s} hit {agg['hit_vs_oracle']:.3f} (min {agg['hit_vs_oracle_min']:.3f}) "
+                  f"ttft p90 {agg['ttft_p90_s']:.3f} s", flush=True)
+            continue
+        agg = aggregate(run_variant(name, range(a.seeds), a.workload == "hot", cfg))
+        res[name] = agg
+        pr = agg["per_rate"]
+        print(f"{a.workload:6s} {name:32s} hit {agg['hit_vs_oracle']:.3f}  " + "  ".join(
+            f"@{r}: {v['throughput']:.2f}/s p50 {v['ttft_p50']:.1f} p90 {v['ttft_p90']:.1f} p99 {v['ttft_p99']:.1f}"
+            for r, v in pr.items()) + f"  ({time.perf_counter() - t:.0f} s)", flush=True)
+    if "affinity" in res and a.workload != "closed":
+        ref = curve(res["affinity"])
+        for name, agg in res.items():
+            agg["vs_affinity_equal_p99"] = equal_p99_ratio(curve(agg), ref)
+    if "legacy" in res and a.workload != "closed":
+        for name, agg in res.items():  # paired over seeds: [throughput, p50, p90, p99] minus legacy's
+            agg["minus_legacy"] = paired(agg, res["legacy"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+
+
+if __name__ == "__main__":
+    main()

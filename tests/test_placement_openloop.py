@@ -1,0 +1,57 @@
+"""The open-loop, step-level replay of the cluster bench's shared-prefix stages
+(bench/placement_openloop.py). Pure: no Ray, no model; small stages so each run takes a second."""
+
+from dataclasses import replace
+
+import pytest
+
+from bench.placement_openloop import OpenConfig, legacy_placer, simulate, stages
+from bench.workloads import oracle_hits
+
+
+def _small(seed=0, rates=(0.5, 0.9), hot=False):
+    return stages(rates, stage_s=20.0, groups=6, users=4, seed=seed, hot=hot)
+
+
+@pytest.mark.parametrize("router", ["kvmesh", "affinity", "pow2", "round_robin"])
+def test_every_request_completes_and_hits_never_beat_the_oracle(router):
+    run = _small()
+    res = simulate(run, router, OpenConfig())
+    for st, fig in zip(run, res["stages"]):
+        assert fig["requests"] == len(st.items) > 0
+        assert sum(fig["per_worker"].values()) == len(st.items)
+        assert fig["hit_tokens"] <= fig["oracle_hit_tokens"] == sum(oracle_hits(st.items))
+        assert fig["ttft_p50"] >= OpenConfig().step_s  # nothing comes out faster than one step
+        assert fig["ttft_p50"] <= fig["ttft_p90"] <= fig["ttft_p99"]
+
+
+def test_stages_bring_fresh_groups_at_the_offered_rate():
+    run = stages((0.4, 1.3), stage_s=45.0, seed=3)
+    a, b = ({it.prompt_ids[:512] for it in st.items} for st in run)
+    assert not a & b  # no system prompt of one stage comes back in the next
+    assert 8 <= len(run[0].items) <= 30 and 40 <= len(run[1].items) <= 80
+    assert all(0 < it.at_s <= 45.0 for st in run for it in st.items)
+
+
+def test_decode_rows_slow_the_prefill_they_share_steps_with():
+    run = _small(rates=(0.9,))
+    slow = simulate(run, "round_robin", OpenConfig(row_s=0.3))["stages"][0]
+    fast = simulate(run, "round_robin", OpenConfig(row_s=0.0))["stages"][0]
+    assert slow["ttft_p50"] > fast["ttft_p50"]
+
+
+def test_a_hot_group_is_pulled_to_other_workers_under_load():
+    res = simulate(_small(rates=(1.0,), hot=True), "kvmesh", OpenConfig())
+    assert res["decisions"].get("spill", 0) >= 1 and res["decisions"].get("pulled", 0) >= 1
+    assert len(res["stages"][0]["per_worker"]) >= 2
+
+
+def test_kvmesh_keeps_the_hit_ratio_and_the_legacy_placer_still_loads():
+    run = _small(seed=1)
+    assert simulate(run, "kvmesh", OpenConfig())["hit_vs_oracle"] >= 0.9
+    legacy = legacy_placer("76dceb6")
+    assert simulate(run, "kvmesh", OpenConfig(), placer_cls=legacy)["hit_vs_oracle"] >= 0.9
+    with pytest.raises(ValueError):
+        simulate(run, "nope", OpenConfig())
+    with pytest.raises(ValueError, match="blocks"):
+        simulate(run, "kvmesh", replace(OpenConfig(), capacity_blocks=16))
