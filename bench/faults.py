@@ -163,9 +163,11 @@ class FaultBench:
         return servelab.worker_handles()
 
     def _pid(self, role: str, pick=None) -> dict:
-        procs = servelab.processes(APP).get(role, [])
+        found = servelab.processes(APP)
+        procs = found.get(role, [])
         if not procs:
-            raise RuntimeError(f"no live {role} to kill")
+            named = sorted(e["name"] for e in ray.util.list_named_actors(all_namespaces=True))
+            raise RuntimeError(f"no live {role} to kill; live roles {sorted(found)}, named actors {named}")
         return pick(procs) if pick else procs[0]
 
     def kill_worker(self) -> dict:
