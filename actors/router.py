@@ -174,6 +174,8 @@ class RouterClient:
     own call (as before); else reports wait in a buffer (at most ``max_buffer``) for the next
     question or for ``flush_s`` (see the module docstring); order is kept either way.
     ``on_restart()``: called when an answer shows a new router epoch (not for the first one).
+    ``on_dead()``: called once when a call finds the actor dead for good (``replace`` then gives
+    the client a new actor).
     """
 
     def __init__(self, handle=None, timeout_s: float = 0.05, rng: random.Random | None = None,
@@ -184,6 +186,8 @@ class RouterClient:
         self.rng = rng or random.Random()
         self.flush_s, self.max_buffer = flush_s, max_buffer
         self.on_restart = None
+        self.on_dead = None  # called once per handle when a call finds the actor dead for good
+        self._dead_seen = False
         self.epoch: str | None = None
         self.calls = 0  # actor calls made (questions + flushes + unbuffered reports)
         self._buffer: list[tuple[str, tuple]] = []
@@ -209,7 +213,22 @@ class RouterClient:
             return answer
         except Exception as e:  # timeout, actor gone, not created yet: the caller falls back
             log.debug("router %s failed: %r", method, e)
+            self._check_dead(e)
             return None
+
+    def replace(self, handle) -> None:
+        """Use ``handle`` (a new router actor) from now on; its first answer sets the epoch."""
+        self._handle, self.epoch, self._dead_seen = handle, None, False
+
+    def _check_dead(self, e: BaseException) -> None:
+        """A router killed for good (``ray.kill(no_restart=True)``, or out of restarts) answers
+        every call with ``ActorDiedError`` and Ray never brings it back: tell ``on_dead`` once."""
+        if isinstance(e, ray.exceptions.ActorDiedError) and not self._dead_seen and self.on_dead is not None:
+            self._dead_seen = True
+            try:
+                self.on_dead()
+            except Exception:  # noqa: BLE001 - a callback failure must not fail routing
+                log.exception("router on_dead failed")
 
     def _take(self) -> list[tuple[str, tuple]]:
         reports, self._buffer = self._buffer, []
@@ -243,7 +262,8 @@ class RouterClient:
             fut = asyncio.wrap_future(ref.future())
         except RuntimeError:  # no event loop: nobody to read the epoch
             return
-        fut.add_done_callback(lambda f: None if f.cancelled() or f.exception() else self._saw(f.result()[0]))
+        fut.add_done_callback(lambda f: None if f.cancelled() else self._check_dead(f.exception()) if f.exception()
+                              else self._saw(f.result()[0]))
 
     async def decide(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
                      workers: Sequence[WorkerId] | None = None) -> RouteDecision | None:

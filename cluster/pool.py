@@ -137,6 +137,8 @@ class WorkerPool:
         self._loop_task: asyncio.Task | None = None
         self._actor_cls = None
         self._index = self._router_actor = self._router_client = None
+        self._router_cost = None  # CostConfig the router actor was created with (a replacement gets the same)
+        self._closing = self._router_replacing = False
         self._synced_nodes: dict[str, str] = {}  # what the router actor was last told (sync_router)
         self._synced_at = float("-inf")
         self.error: str | None = None
@@ -173,6 +175,7 @@ class WorkerPool:
         kill: the actor goes on answering calls until its process has gone, and the controller
         exits right after ``close``, so whoever sees the controller gone may take its workers
         and router to be gone too."""
+        self._closing = True
         if self._loop_task is not None:
             self._loop_task.cancel()
         for t in list(self._tasks):
@@ -229,11 +232,13 @@ class WorkerPool:
         from policies.routing import CostConfig
 
         if self._router_actor is None:  # the first ready worker tells the KV size per token
-            cost = CostConfig(block_size=ws.info["block_size"], bytes_per_token=ws.info["kv_bytes_per_token"])
-            self._router_actor = await asyncio.to_thread(get_or_create_router, cost, False, self.config.app or None)
+            self._router_cost = CostConfig(block_size=ws.info["block_size"], bytes_per_token=ws.info["kv_bytes_per_token"])
+            self._router_actor = await asyncio.to_thread(get_or_create_router, self._router_cost, False,
+                                                         self.config.app or None)
             self._router_client = RouterClient(self._router_actor, timeout_s=ROUTE_TIMEOUT_S,
                                                flush_s=ROUTER_FLUSH_S)
             self._router_client.on_restart = self._router_restarted
+            self._router_client.on_dead = self._router_died
         await _aref(ws.actor.start_index_publisher.remote())
         await _aref(ws.actor.attach_router.remote(self._router_actor, False))
         self._router_client.report("register", ws.worker_id, ws.info["node_id"])
@@ -378,6 +383,46 @@ class WorkerPool:
             if nodes and (force or nodes != self._synced_nodes or now - self._synced_at >= ROUTER_RESYNC_S):
                 self._synced_nodes, self._synced_at = nodes, now
                 self._router_client.report("sync_workers", nodes)
+
+    def _router_died(self) -> None:
+        """The router actor is dead for good (killed with ``no_restart``, e.g. by an older pool of
+        this app closing while this one started, or out of restarts): routing has fallen back to
+        power of two choices. Create a new one (``_replace_router``) unless the pool is closing."""
+        if self._closing or self._router_replacing:
+            return
+        log.warning("router actor of app %r is dead: creating a new one", self.config.app)
+        self._router_replacing = True
+        self._spawn_task(self._replace_router())
+
+    async def _replace_router(self, attempts: int = 40, retry_s: float = 0.5) -> None:
+        """Get the app's router actor anew (its name may still point at the dead one for a moment:
+        retried until it does not), hand it to the router client and to every worker, and
+        re-register the workers (``_router_restarted``)."""
+        from actors.router import get_or_create_router
+
+        try:
+            dead = getattr(self._router_actor, "_actor_id", None)
+            for _ in range(attempts):
+                actor = await asyncio.to_thread(get_or_create_router, self._router_cost, False,
+                                                self.config.app or None)
+                if getattr(actor, "_actor_id", None) != dead:
+                    break
+                await asyncio.sleep(retry_s)
+            else:
+                log.error("no new router actor for app %r: routing stays on power of two choices", self.config.app)
+                return
+            if self._closing:
+                return
+            self._router_actor = actor
+            self._router_client.replace(actor)
+            for w in [w for w in self.workers.values() if w.info is not None and not w.dead]:
+                try:
+                    await asyncio.wait_for(_aref(w.actor.attach_router.remote(actor, False)), 10)
+                except Exception as e:  # noqa: BLE001 - a dead worker is replaced (and attached) anyway
+                    log.warning("worker %s did not take the new router: %r", w.worker_id, e)
+            self._router_restarted()
+        finally:
+            self._router_replacing = False
 
     def _router_restarted(self) -> None:
         """The router actor came back empty: re-register the workers and resend the loads."""

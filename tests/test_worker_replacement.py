@@ -1,4 +1,5 @@
 """A worker whose engine loop died is reported unhealthy and replaced; requests go on elsewhere.
+A router actor killed for good is replaced too.
 
 Real worker actors (tiny-llama) in a local Ray instance. The engine thread is ended with the
 worker's ``set_faults(["engine_death"])`` hook while the actor process stays alive (the case
@@ -41,7 +42,7 @@ async def _wait_retired(pool, worker_id, timeout=30):
     raise AssertionError(f"{worker_id} was never retired")
 
 
-def _with_pool(body, health_interval_s: float) -> None:
+def _with_pool(body, health_interval_s: float, cost_aware: bool = False) -> None:
     """Run ``await body(pool)`` on a started 2-worker tiny-llama pool (both ready) in a local Ray;
     the pool is closed and Ray shut down whatever happens."""
     import ray
@@ -53,7 +54,7 @@ def _with_pool(body, health_interval_s: float) -> None:
     ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
 
     async def main():
-        cfg = PoolConfig(engine=EngineConfig(model="tiny-llama", num_blocks=64), cost_aware_routing=False,
+        cfg = PoolConfig(engine=EngineConfig(model="tiny-llama", num_blocks=64), cost_aware_routing=cost_aware,
                          autoscale=AutoscaleConfig(min_workers=2, max_workers=2), worker_num_cpus=0,
                          worker_num_gpus=0, health_interval_s=health_interval_s)
         pool = WorkerPool(cfg)
@@ -130,3 +131,42 @@ def test_the_death_watch_replaces_a_dead_engine_without_polling():
         await _wait_ready(pool, 2)
 
     _with_pool(body, health_interval_s=3600.0)
+
+
+def test_a_router_killed_for_good_is_replaced_and_routing_is_cost_aware_again():
+    # e.g. an older pool of the app, closing while this one started, killed the router this one
+    # had just looked up by name: Ray never restarts it, and routing stayed on power of two
+    import ray
+
+    from actors.router import ROUTER_NAMESPACE, router_name
+
+    async def body(pool):
+        await _run(pool, "before")
+        dead = pool._router_actor
+        ray.kill(dead, no_restart=True)
+        for _ in range(300):  # ray.kill only asks: wait until the actor is gone
+            try:
+                await asyncio.wait_for(dead.metrics.remote(), 5)
+            except ray.exceptions.ActorDiedError:
+                break
+            except Exception:  # noqa: BLE001 - still going down
+                pass
+            await asyncio.sleep(0.1)
+        for i in range(100):
+            await _run(pool, f"after-{i}")  # served throughout (by the fallback until replaced)
+            if pool._router_actor._actor_id != dead._actor_id and not pool._router_replacing:
+                break
+            await asyncio.sleep(0.1)
+        new = ray.get_actor(router_name(pool.config.app or None), namespace=ROUTER_NAMESPACE)
+        assert new._actor_id == pool._router_actor._actor_id != dead._actor_id
+        # the new router knows the workers again and answers the pool's questions
+        for _ in range(100):
+            if set((await new.estimates.remote())["nodes"]) == set(pool.workers):
+                break
+            await asyncio.sleep(0.1)
+        assert set((await new.estimates.remote())["nodes"]) == set(pool.workers)
+        fallbacks = sum(n for k, n in pool.router.placements.items() if "fallback" in k)
+        await _run(pool, "routed")
+        assert sum(n for k, n in pool.router.placements.items() if "fallback" in k) == fallbacks
+
+    _with_pool(body, health_interval_s=0.5, cost_aware=True)
