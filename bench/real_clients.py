@@ -211,6 +211,9 @@ def run_tool(tool: str, exe: str, base_url: str, key: str, endpoint: str, stream
                                                       else out_dir)) for c in args.concurrency]
     else:
         levels = guidellm_summaries(out_dir / "benchmarks.json")
+    if not stream:  # no first token to time without streaming (guidellm writes 0.0 there)
+        for lv in levels:
+            lv.update({k: None for k in ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99")})
     shown = [a if a != key else "<key>" for a in cmd]
     shown[0] = Path(cmd[0]).name
     return [{"tool": tool, "endpoint": endpoint, "stream": stream, "rc": rc, "wall_s": wall, "artifacts": str(out_dir),
