@@ -116,7 +116,8 @@ def aiperf_summary(run_dir: Path) -> dict:
     total = _m(d, "request_count") or 0
     errors = sum(int(e.get("count", 0)) for e in (d.get("error_summary") or []))
     return {"requests_ok": int(total), "requests_failed": errors,
-            "errors": [{"count": e.get("count"), "detail": e.get("error_details")} for e in d.get("error_summary") or []],
+            "errors": [{"count": e.get("count"), "detail": e.get("error_details")}
+                       for e in d.get("error_summary") or []],
             "ttft_ms_p50": _m(d, "time_to_first_token", "p50"), "ttft_ms_p99": _m(d, "time_to_first_token", "p99"),
             "itl_ms_p50": _m(d, "inter_token_latency", "p50"), "itl_ms_p99": _m(d, "inter_token_latency", "p99"),
             "latency_ms_p50": _m(d, "request_latency", "p50"),
@@ -143,7 +144,8 @@ def guidellm_summaries(out_json: Path) -> list[dict]:
         m = b.get("metrics") or {}
         made = (b.get("scheduler_metrics") or {}).get("requests_made") or {}
         prof = (b.get("config") or {}).get("strategy") or {}
-        errs = [r.get("info", {}).get("error") or r.get("error") for r in ((b.get("requests") or {}).get("errored") or [])]
+        errored = (b.get("requests") or {}).get("errored") or []
+        errs = [r.get("info", {}).get("error") or r.get("error") for r in errored]
         out.append({"concurrency": prof.get("streams") or prof.get("max_concurrency"),
                     "requests_ok": made.get("successful"), "requests_failed": made.get("errored"),
                     "requests_incomplete": made.get("incomplete"), "errors": [e for e in errs if e][:5],
@@ -324,12 +326,14 @@ def main() -> None:
                             print(f"{tool:8s} {endpoint:11s} stream={int(stream)} c={lv.get('concurrency')} "
                                   f"ok={lv.get('requests_ok')} failed={lv.get('requests_failed')} "
                                   f"ttft_p50={lv.get('ttft_ms_p50')}ms itl_p50={lv.get('itl_ms_p50')}ms "
-                                  f"out_tok/s={lv.get('output_tokens_per_s')} server={r['server_counted']} rc={r['rc']}",
+                                  f"out_tok/s={lv.get('output_tokens_per_s')} server={r['server_counted']} "
+                                  f"rc={r['rc']}",
                                   flush=True)
             done = {(r["endpoint"], r["stream"]) for r in runs}  # a partial rerun keeps the other runs
-            kept = [r for r in (report["tools"].get(tool) or {}).get("runs", []) if (r["endpoint"], r["stream"]) not in done]
-            report["tools"][tool] = {"version": client_venvs.installed_version(tool),
-                                     "runs": sorted(kept + runs, key=lambda r: (r["endpoint"] != "completions", not r["stream"]))}
+            old = (report["tools"].get(tool) or {}).get("runs", [])
+            kept = [r for r in old if (r["endpoint"], r["stream"]) not in done]
+            order = sorted(kept + runs, key=lambda r: (r["endpoint"] != "completions", not r["stream"]))
+            report["tools"][tool] = {"version": client_venvs.installed_version(tool), "runs": order}
     finally:
         if serve:
             serve.__exit__(None, None, None)

@@ -1,6 +1,7 @@
 """The request bodies aiperf 0.13 and guidellm 0.8 send (captured from their runs against kvmesh,
-``bench/real_clients.py``; aiperf's readiness probe from its source) are served in full: 200, the fixed output length they ask for
-(``ignore_eos`` + ``min_tokens``), the usage they read, and SSE framing their parsers expect.
+``bench/real_clients.py``; aiperf's readiness probe from its source) are served in full: 200,
+the fixed output length they ask for (``ignore_eos`` + ``min_tokens``), the usage they read, and
+the SSE framing their parsers expect.
 
 In-process (tests/ingress_harness.py: the real FastAPI ingress over one tiny-llama engine, no Ray).
 """
