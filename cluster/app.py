@@ -492,7 +492,7 @@ class KvmeshIngress:
             raise RuntimeError(h["error"] or "no workers")
 
     # -- plain routes --------------------------------------------------------------------------
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes (aiperf, load balancers) ask it first
     async def health(self):
         try:
             ready = (await self.pool.call("health"))["ready"]
@@ -510,7 +510,7 @@ class KvmeshIngress:
         except Exception as e:  # noqa: BLE001 - mapped, never a bare 500
             raise _as_api_error(e) from None
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics(self, req: HttpRequest):
         if self.settings.metrics_auth == "admin" and not self.tenants.is_admin(_bearer(req)):
             raise ApiError(401, "/metrics needs an admin key (send Authorization: Bearer <admin key>)",

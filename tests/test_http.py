@@ -238,6 +238,10 @@ def test_metrics_per_tenant(server):
     assert samples['kvmesh_cached_tokens_total{tenant="globex"}'] > 0
     assert samples['kvmesh_ttft_seconds_count{tenant="globex"}'] >= 2
     assert 'kvmesh_queue_depth{tenant="globex"}' in samples
+    # probes ask with HEAD first (aiperf's /metrics check, load balancers' /health): no 405
+    head = http(server).head("/metrics")
+    assert head.status_code == 200 and head.content == b"" and head.headers["content-type"].startswith("text/plain")
+    assert http(server).head("/health").status_code == 200
     assert samples['kvmesh_requests_total{code="401",endpoint="completions",tenant="-"}'] >= 1
 
 
