@@ -262,8 +262,15 @@ class RouterClient:
             fut = asyncio.wrap_future(ref.future())
         except RuntimeError:  # no event loop: nobody to read the epoch
             return
-        fut.add_done_callback(lambda f: None if f.cancelled() else self._check_dead(f.exception()) if f.exception()
-                              else self._saw(f.result()[0]))
+        fut.add_done_callback(self._flushed)
+
+    def _flushed(self, f: asyncio.Future) -> None:
+        if f.cancelled():
+            return
+        if f.exception() is not None:
+            self._check_dead(f.exception())
+        else:
+            self._saw(f.result()[0])
 
     async def decide(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
                      workers: Sequence[WorkerId] | None = None) -> RouteDecision | None:

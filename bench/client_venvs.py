@@ -11,14 +11,13 @@ reused when its executable exists and ``pip show`` reports the pinned version.
 
 from __future__ import annotations
 
-import glob
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-CACHE = Path(os.environ.get("KVMESH_CACHE", Path.home() / ".cache" / "kvmesh"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.ipperf import CACHE, find_python  # noqa: E402  (the same cache as inference-perf's venv)
 
 # tool -> (pinned version, executable name, packages installed before the tool itself)
 TOOLS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -29,13 +28,8 @@ TOOLS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 
 def find_python311() -> str:
     """A Python 3.11 interpreter (``python3.11`` on PATH, else pyenv's)."""
-    candidates = [shutil.which("python3.11")]
-    candidates += sorted(glob.glob(str(Path.home() / ".pyenv" / "versions" / "3.11*" / "bin" / "python3.11")))
-    for c in candidates:
-        if c and subprocess.run([c, "-c", "import sys; assert sys.version_info[:2] == (3, 11)"],
-                                capture_output=True).returncode == 0:
-            return c
-    raise RuntimeError("no Python 3.11 found (python3.11 or pyenv)")
+    return find_python(("python3.11",), "3.11*/bin/python3.11", "sys.version_info[:2] == (3, 11)",
+                       "no Python 3.11 found (python3.11 or pyenv)")
 
 
 def venv_dir(tool: str, cache: Path = CACHE) -> Path:

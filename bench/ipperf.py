@@ -26,15 +26,21 @@ VERSION = "0.7.0"
 CACHE = Path(os.environ.get("KVMESH_CACHE", Path.home() / ".cache" / "kvmesh"))
 
 
+def find_python(names: tuple[str, ...], pyenv_glob: str, check: str, missing: str) -> str:
+    """The first of ``names`` on PATH, else of pyenv's interpreters matching ``pyenv_glob``, for
+    which ``check`` (a Python expression on ``sys``) holds; ``missing`` is the error otherwise."""
+    candidates = [shutil.which(n) for n in names]
+    candidates += sorted(glob.glob(str(Path.home() / ".pyenv" / "versions" / pyenv_glob)))
+    for c in candidates:
+        if c and subprocess.run([c, "-c", f"import sys; assert {check}"], capture_output=True).returncode == 0:
+            return c
+    raise RuntimeError(missing)
+
+
 def find_python312() -> str:
     """A Python >= 3.12 interpreter: ``python3.12``/``python3.13`` on PATH, else pyenv's."""
-    candidates = [shutil.which(n) for n in ("python3.12", "python3.13")]
-    candidates += sorted(glob.glob(str(Path.home() / ".pyenv" / "versions" / "3.1[2-9]*" / "bin" / "python3.1[2-9]")))
-    for c in candidates:
-        if c and subprocess.run([c, "-c", "import sys; assert sys.version_info >= (3, 12)"],
-                                capture_output=True).returncode == 0:
-            return c
-    raise RuntimeError("inference-perf needs Python >= 3.12 and none was found (python3.12 or pyenv)")
+    return find_python(("python3.12", "python3.13"), "3.1[2-9]*/bin/python3.1[2-9]", "sys.version_info >= (3, 12)",
+                       "inference-perf needs Python >= 3.12 and none was found (python3.12 or pyenv)")
 
 
 def ensure_venv(cache: Path = CACHE) -> Path:

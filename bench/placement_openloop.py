@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.cluster_report import Point, equal_p99_ratio  # noqa: E402
 from bench.loadgen import percentile  # noqa: E402
-from bench.placement_sim import _Affinity  # noqa: E402
+from bench.placement_sim import _Affinity, baseline_route  # noqa: E402
 from bench.workloads import WorkItem, oracle_hits, shared_prefix  # noqa: E402
 from engine.block_pool import BlockPool, extra_key, hash_blocks, prompt_chains  # noqa: E402
 from policies.placement import Placer, PlacementConfig  # noqa: E402
@@ -188,13 +188,10 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
     def route(r: _Req) -> str:
         it = r.item
         chains = prompt_chains(it.prompt_ids, bs, MODEL, (it.domain, *it.read_domains))
-        if router == "round_robin":
-            return next(rr)
-        if router == "pow2":
-            a, b = rng.sample(wids, 2)
-            return b if workers[b].inflight < workers[a].inflight else a
-        if router == "affinity":
-            return affinity.choose(chains[it.domain], len(it.prompt_ids), bs, {w: workers[w].inflight for w in wids})
+        picked = baseline_route(router, chains[it.domain], len(it.prompt_ids), bs,
+                                {w: workers[w].inflight for w in wids}, rr, rng, affinity)
+        if picked is not None:
+            return picked
         holdings = {w: k * bs for w in wids if (k := max(workers[w].holds(c) for c in chains.values()))}
         for w in wids:
             cm.observe_load(w, WorkerLoad(tuple(n for n in workers[w].queued.values() if n), workers[w].running))

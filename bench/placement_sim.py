@@ -112,6 +112,21 @@ class _Affinity:
         return w
 
 
+def baseline_route(router: str, chain: Sequence[bytes], prompt_tokens: int, bs: int, inflight: dict[str, int],
+                   rr, rng: random.Random, affinity: _Affinity) -> str | None:
+    """The worker a baseline router picks (``round_robin`` from the cycle ``rr``, ``pow2`` over
+    ``inflight``, in its order, ``affinity`` on the prompt's own ``chain``); None for kvmesh."""
+    if router == "round_robin":
+        return next(rr)
+    if router == "pow2":
+        wids = list(inflight)
+        a, b = rng.sample(wids, 2) if len(wids) > 1 else (wids[0], wids[0])
+        return b if inflight[b] < inflight[a] else a
+    if router == "affinity":
+        return affinity.choose(chain, prompt_tokens, bs, inflight)
+    return None
+
+
 def simulate(items: Sequence[WorkItem], router: str, cfg: SimConfig = SimConfig(),
              placement: PlacementConfig | None = None) -> dict:
     """Replay ``items`` (closed loop, in order) through ``router``; figures per run."""
@@ -142,13 +157,10 @@ def simulate(items: Sequence[WorkItem], router: str, cfg: SimConfig = SimConfig(
     def route(r: _Req) -> str:
         it = r.item
         chains = prompt_chains(it.prompt_ids, bs, MODEL, (it.domain, *it.read_domains))
-        if router == "round_robin":
-            return next(rr)
-        if router == "pow2":
-            a, b = rng.sample(wids, 2) if len(wids) > 1 else (wids[0], wids[0])
-            return b if workers[b].inflight < workers[a].inflight else a
-        if router == "affinity":
-            return affinity.choose(chains[it.domain], len(it.prompt_ids), bs, {w: workers[w].inflight for w in wids})
+        picked = baseline_route(router, chains[it.domain], len(it.prompt_ids), bs,
+                                {w: workers[w].inflight for w in wids}, rr, rng, affinity)
+        if picked is not None:
+            return picked
         holdings = {}
         for w in wids:
             k = max(workers[w].holds(c) for c in chains.values())
