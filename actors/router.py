@@ -97,7 +97,14 @@ class Router:
         """A router that ranked here (``rank``) and decided itself (placement) reports its choice."""
         self.decisions[kind] += 1
 
-    def report_outcome(self, kind: str, predicted_s: float, actual_s: float) -> None:
+    def report_outcome(self, kind: str, predicted_s: float, actual_s: float, worker: WorkerId | None = None,
+                       running: int = 0, decode_wait_s: float = 0.0) -> None:
+        """A routed request's first token came ``actual_s`` after it was routed, predicted
+        ``predicted_s``; with the ``worker``, the sequences ``running`` there at the decision and
+        the part of the prediction charged for them, a route without a pull also teaches the
+        decode term (``CostModel.observe_outcome``)."""
+        if worker is not None and kind in ("local", "recomputed"):
+            self.model.observe_outcome(worker, int(running), predicted_s, actual_s, decode_wait_s)
         e = self._err.setdefault(kind, [0, 0.0, 0.0, 0.0])
         e[0] += 1
         e[1] += abs(predicted_s - actual_s)
@@ -140,6 +147,7 @@ class Router:
         return {"links": self.model.links.snapshot(),
                 "prefill": {w: self.model.prefill_model(w).coefficients for w in self.model.nodes},
                 "wait_s": {w: self.model.wait_s(w) for w in self.model.nodes},
+                "decode_s": {w: self.model.decode_s(w) for w in self.model.nodes},
                 "nodes": dict(self.model.nodes)}
 
     def metrics(self) -> dict:

@@ -163,12 +163,17 @@ class Worker:
         """Blocks [start, end) of a prompt whose chain hashes the requester sends (object store)."""
         if "export" in self.faults:
             raise RuntimeError("simulated export failure")
-        data = await self.engine.call(lambda e: e.export_prefix(chains, start_block, end_block))
+        self._check_alive()
+
+        def export() -> KVBlocks | None:  # gather and seal in a thread: never waits for the step in progress
+            data = self.engine.engine.export_prefix(chains, start_block, end_block)
+            return None if data is None else data.with_digest()  # ~1 GB/s
+
+        data = await asyncio.to_thread(export)
         self.export_stats["calls"] += 1
         self.export_stats["blocks"] += 0 if data is None else data.num_blocks
         if data is None:
             return None
-        data = await asyncio.to_thread(data.with_digest)  # off the engine thread (~1 GB/s)
         if self.export_delay_s or "export_corrupt" in self.faults:
             self.fault_stats["exports_faulted"] += 1
             await asyncio.sleep(self.export_delay_s)
@@ -179,38 +184,64 @@ class Worker:
         return data
 
     async def _pull(self, request: Request, pulls: tuple[Pull, ...]) -> tuple[int, int]:
-        """(prompt tokens held locally before, tokens imported by pulls)."""
+        """(prompt tokens held locally before, tokens imported by pulls).
+
+        The engine thread is asked once before the transfers (chains, held prefix, room for each
+        pull) and once per arrived chunk (its import, queued without waiting for the one before:
+        commands run in order on that thread); the holders export without their engine threads
+        (``LLMEngine.export_prefix``). On a busy worker each engine call waits for the step in
+        progress, so these waits, not the link, used to set a pull's time."""
         if not pulls:
             return 0, 0
-        chains = await self.engine.call(lambda e: e.prompt_chains(request))
+
+        def plan(e):
+            chains = e.prompt_chains(request)
+            if not chains:
+                return chains, 0, ()
+            return (chains, e.held_prefix_tokens(chains),
+                    tuple(e.can_import(chains, p.start_block, p.end_block, request.tenant) for p in pulls))
+
+        chains, local, room = await self.engine.call(plan)
         if not chains:
             return 0, 0
-        local = await self.engine.call(lambda e: e.held_prefix_tokens(chains))
 
-        async def one(p: Pull) -> int:
+        async def one(p: Pull, fits: bool) -> int:
             """Fetch [start, end) from the holder in chunks, ``pull_window`` requested ahead: the
             holder exports (gathers and seals) the next chunk while one is on the wire, and at
             most that many exports are wasted when the pull stops early. Chunks import in order;
             a chunk that fails or comes back short ends the pull (later blocks could not extend
-            the prefix). A pull that cannot land whole in the pool is not started."""
-            if not await self.engine.call(lambda e: e.can_import(chains, p.start_block, p.end_block, request.tenant)):
+            the prefix), and nothing lands after a chunk whose import failed. A pull that cannot
+            land whole in the pool is not started."""
+            if not fits:
                 log.info("pull of blocks %d-%d skipped: no room for them", p.start_block, p.end_block)
                 return 0
             t0 = time.perf_counter()
-            got = {"nbytes": 0, "seconds": 0.0, "imported": 0}
+            got = {"nbytes": 0, "seconds": 0.0}
             step = self._pull_chunk_blocks()
             ranges = [(a, min(a + step, p.end_block)) for a in range(p.start_block, p.end_block, step)]
+            landing = {"ok": True}  # written on the engine thread (in import order), read by fetch
+
+            def land(e, data: KVBlocks, a: int) -> int:
+                if not landing["ok"]:
+                    return 0
+                try:
+                    return e.import_prefix(data, a, chains, request.tenant)
+                except BaseException:
+                    landing["ok"] = False
+                    raise
 
             async def arrive(a: int, b: int):  # the chunk and when it arrived (transfer time, not imports)
                 data = await p.holder.export_prefix.remote(chains, a, b)
                 return data, time.perf_counter() - t0
 
             ahead: deque[asyncio.Future] = deque()
-            pending_import: list[asyncio.Future] = []
+            imports: list[asyncio.Future] = []
 
             async def fetch() -> None:
                 nxt = 0
                 for a, b in ranges:
+                    if not landing["ok"]:  # an import failed: the rest could not extend the prefix
+                        return
                     while nxt < len(ranges) and len(ahead) < self.pull_window:
                         ahead.append(asyncio.ensure_future(arrive(*ranges[nxt])))
                         nxt += 1
@@ -222,36 +253,36 @@ class Worker:
                         raise ValueError(f"pulled blocks {a}-{b} fail their digest: recomputing them")
                     got["nbytes"] += data.nbytes
                     got["seconds"] = arrived
-                    imp = asyncio.ensure_future(self.engine.call(
-                        lambda e, data=data, a=a: e.import_prefix(data, a, chains, request.tenant)))
-                    pending_import[:] = [imp]
-                    got["imported"] += await asyncio.shield(imp)
-                    pending_import.clear()
+                    imports.append(self.engine.call(lambda e, data=data, a=a: land(e, data, a)))
                     if data.num_blocks < b - a:
                         return
 
+            failure = None
             try:
                 await asyncio.wait_for(fetch(), min(self.pull_timeout_s, p.timeout_s or self.pull_timeout_s))
             except Exception as e:  # noqa: BLE001 - any failure: recompute the blocks not imported
-                if pending_import:  # an import the timeout interrupted still lands: count it
-                    try:
-                        got["imported"] += await pending_import[0]
-                    except Exception:  # noqa: BLE001 - that import failed: nothing landed
-                        pass
-                log.warning("pull of blocks %d-%d from %s failed after %d tokens: %s", p.start_block, p.end_block,
-                            p.holder_node, got["imported"], describe_exc(e))
+                failure = e
             finally:
                 for chunk in ahead:  # requested but not consumed: stop waiting; mark errors as seen
                     if chunk.done() and not chunk.cancelled():
                         chunk.exception()
                     chunk.cancel()
+            imported = 0  # queued imports land whatever happened after them
+            for res in await asyncio.gather(*imports, return_exceptions=True):
+                if isinstance(res, BaseException):
+                    failure = failure or res
+                else:
+                    imported += res
+            if failure is not None:
+                log.warning("pull of blocks %d-%d from %s failed after %d tokens: %s", p.start_block, p.end_block,
+                            p.holder_node, imported, describe_exc(failure))
             ok = got["nbytes"] > 0
             if self.router is not None:
                 self.router.report("report_transfer", p.holder_node, self.node_id, got["nbytes"],
                                    got["seconds"] if ok else time.perf_counter() - t0, ok)
-            return got["imported"]
+            return imported
 
-        imported = await asyncio.gather(*(one(p) for p in pulls))
+        imported = await asyncio.gather(*(one(p, fits) for p, fits in zip(pulls, room)))
         return local, sum(imported)
 
     def _pull_chunk_blocks(self) -> int:
@@ -300,12 +331,15 @@ class Worker:
         ``export`` / ``export_donor``: those calls raise; ``export_slow:<s>``: each KV export
         answers ``s`` seconds late; ``export_corrupt``: exported KV is altered after its digest
         (the puller must refuse it); ``engine_death``: ends the engine loop now (as a fatal step
-        error would)."""
+        error would); ``engine_stall:<s>``: the engine thread sleeps ``s`` seconds once, as in one
+        long step of a busy worker."""
         self.faults, self.export_delay_s = set(), 0.0
         for f in faults:
             name, _, arg = f.partition(":")
             if name == "export_slow":
                 self.export_delay_s = float(arg or 1.0)
+            elif name == "engine_stall":
+                self.engine.stall(float(arg or 1.0))
             self.faults.add(name)
         if "engine_death" in self.faults:
             self.engine.die(RuntimeError("simulated engine death"))

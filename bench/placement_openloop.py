@@ -122,6 +122,10 @@ class _Req:
     blocks: list = field(default_factory=list)
     prefill_s: float = 0.0
     first_at: float | None = None
+    expected_s: float = 0.0  # the router's TTFT estimate of the chosen route (kvmesh)
+    running_at: int = 0  # sequences decoding on the chosen worker when it was chosen
+    decode_wait_s: float = 0.0
+    route_kind: str = ""
     left: int = 0
     done_at: float | None = None
 
@@ -160,8 +164,10 @@ def legacy_placer(rev: str) -> type:
 
 def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
              placement: PlacementConfig | None = None, decode_step_s: float = 0.0,
-             placer_cls: type = Placer) -> dict:
-    """Replay the stages through ``router``; figures per stage and overall."""
+             placer_cls: type = Placer, learn_decode: bool = False) -> dict:
+    """Replay the stages through ``router``; figures per stage and overall. ``learn_decode``:
+    the cost model learns its decode term from the outcomes (as the router actor does from the
+    pool's reports), starting at ``decode_step_s``."""
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {ROUTERS}")
     bs = cfg.block_size
@@ -169,7 +175,8 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
     wids = [f"w{i}" for i in range(cfg.workers)]
     slow = set(wids[cfg.workers - cfg.slow_workers:]) if cfg.slow_workers else set()
     workers = {w: _Worker(w, cfg, cfg.slow_Bps if w in slow else cfg.fast_Bps) for w in wids}
-    cm = CostModel(CostConfig(block_size=bs, bytes_per_token=cfg.bytes_per_token, decode_step_s=decode_step_s))
+    cm = CostModel(CostConfig(block_size=bs, bytes_per_token=cfg.bytes_per_token, decode_step_s=decode_step_s,
+                              learn_decode=learn_decode))
     for w in wids:
         cm.register(w, w)
     placer = placer_cls(placement) if placement is not None else placer_cls()
@@ -203,6 +210,8 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
         counts[placed.kind] += 1
         counts[c.kind] += 1
         workers[placed.worker].queued[r.rid] = max(0, len(it.prompt_ids) - c.cached_tokens)
+        r.expected_s, r.running_at, r.route_kind = c.expected_ttft_s, workers[placed.worker].running, c.kind
+        r.decode_wait_s = c.decode_wait_s
         if c.kind == "pulled":
             r.pulls = [(p.holder, p.start_block, p.end_block) for p in c.pulls]
         return placed.worker
@@ -295,6 +304,8 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
                 w.prefilling.remove(r)
                 r.first_at = now
                 cm.observe_prefill(w.wid, len(r.item.prompt_ids) - r.hit, r.prefill_s, r.hit)
+                if r.route_kind in ("local", "recomputed"):
+                    cm.observe_outcome(w.wid, r.running_at, r.expected_s, now - r.arrival, r.decode_wait_s)
                 w.queued.pop(r.rid, None)
                 w.running += 1
                 r.left = r.item.max_tokens - 1
@@ -387,7 +398,9 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
 
 
 def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _cache: dict = {}) -> list[dict]:
-    fields, decode_s, kind = VARIANTS[name] if name in VARIANTS else ({}, 0.0, "new")
+    """``name``: a router, a ``VARIANTS`` key, or either with ``+learn`` (the decode term learned)."""
+    base, learn = (name[: -len("+learn")], True) if name.endswith("+learn") else (name, False)
+    fields, decode_s, kind = VARIANTS[base] if base in VARIANTS else ({}, 0.0, "new")
     router = name if name in ROUTERS else "kvmesh"
     if kind == "legacy" and "legacy" not in _cache:
         _cache["legacy"] = legacy_placer(BASELINE_REV)
@@ -396,7 +409,7 @@ def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _ca
     rows = []
     for seed in seeds:
         res = simulate(stages(seed=seed, hot=hot), router, replace(cfg, seed=seed), legacy_cfg(**fields),
-                       decode_s, placer_cls)
+                       decode_s, placer_cls, learn_decode=learn)
         rows.append({"seed": seed, **res})
     return rows
 

@@ -105,14 +105,22 @@ def analyse(hit: list[float], miss: list[float], rng: np.random.Generator, boots
             "ttft_hit_p10_ms": 1e3 * float(np.quantile(h, 0.1)), "ttft_miss_p10_ms": 1e3 * float(np.quantile(m, 0.1))}
 
 
+def balanced_arms(n_trials: int, rng: random.Random) -> list[str]:
+    """``n_trials`` arms, each consecutive pair one "hit" and one "miss" in random order: a run
+    that the time budget cuts short after any trial is still balanced within one trial."""
+    arms: list[str] = []
+    for _ in range((n_trials + 1) // 2):
+        pair = ["hit", "miss"]
+        rng.shuffle(pair)
+        arms += pair
+    return arms[:n_trials]
+
+
 def run_trials(client, model: str, vocab: int, n_trials: int, length: int, shared: int, rng: random.Random,
                deadline: float) -> dict[str, dict[str, list[float]]]:
     """Per condition, per arm, the attacker's TTFTs."""
     out = {c: {"hit": [], "miss": []} for c in CONDITIONS}
-    arms = {}  # balanced: per condition n_trials // 2 of each arm, in random order
-    for c in CONDITIONS:
-        arms[c] = ["hit"] * (n_trials // 2) + ["miss"] * (n_trials - n_trials // 2)
-        rng.shuffle(arms[c])
+    arms = {c: balanced_arms(n_trials, rng) for c in CONDITIONS}
 
     def fresh(n):
         return [rng.randrange(100, vocab - 100) for _ in range(n)]

@@ -114,6 +114,8 @@ class _Flight:
     started: bool = False
     route: str = "local"  # planned route (reported with the measured TTFT)
     expected_ttft_s: float | None = None
+    running_at_route: int = 0  # sequences decoding on the chosen worker when it was chosen
+    decode_wait_s: float = 0.0  # the part of expected_ttft_s the router charged for them
 
     @property
     def cost(self) -> int:
@@ -504,6 +506,7 @@ class WorkerPool:
             self._flights.pop(rid, None)
             raise
         flight.worker_id, flight.route, flight.expected_ttft_s = ws.worker_id, choice.route, choice.expected_ttft_s
+        flight.running_at_route, flight.decode_wait_s = ws.running, choice.decode_wait_s
         ws.inflight += 1
         ws.inflight_tokens += flight.cost
         ws.queued[rid] = max(0, flight.prompt_tokens - choice.cached_tokens)
@@ -522,7 +525,8 @@ class WorkerPool:
             return
         if not f.started and self._router_client is not None:
             if f.expected_ttft_s is not None and ttft_s is not None:
-                self._router_client.report("report_outcome", route or f.route, f.expected_ttft_s, ttft_s)
+                self._router_client.report("report_outcome", route or f.route, f.expected_ttft_s, ttft_s,
+                                           f.worker_id, f.running_at_route, f.decode_wait_s)
             if prefill is not None:
                 self._router_client.report("report_prefill", f.worker_id, *prefill)
         if not f.started:

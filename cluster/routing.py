@@ -154,7 +154,8 @@ class CostAwareRouter:
         if pulls:
             self._replicate(request, chains, pulls, chosen.worker, holdings, candidates)
         return RouteChoice(chosen.worker, chosen.kind, tuple(pulls), chosen.expected_ttft_s,
-                           cached_tokens=chosen.cached_tokens, placement=placed.kind)
+                           cached_tokens=chosen.cached_tokens, placement=placed.kind,
+                           decode_wait_s=chosen.decode_wait_s)
 
     def _replicate(self, request: Request, chains, pulls: list[Pull], target: str, holdings, candidates) -> None:
         """Count the pull; if the prefix is hot, copy it ahead of demand (fire and forget)."""

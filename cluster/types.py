@@ -53,6 +53,7 @@ class RouteChoice:
     donor_pulls: tuple = ()  # actors.worker.DonorPull offers (approximate reuse) for the chosen worker
     cached_tokens: int = 0  # prompt tokens the router expects to be reused (local + pulled)
     placement: str | None = None  # the placement rule that chose the worker (policies.placement), if any
+    decode_wait_s: float = 0.0  # the part of expected_ttft_s charged for sequences decoding there
 
 
 class Router(Protocol):

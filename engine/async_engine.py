@@ -79,6 +79,11 @@ class AsyncEngine:
         self._kill = exc
         self._commands.put((lambda: None, lambda _e: None))  # wake an idle loop
 
+    def stall(self, seconds: float) -> None:
+        """Fault injection: the engine thread sleeps ``seconds`` at its next step boundary, as
+        during one long step (calls that need the thread wait; nothing is lost)."""
+        self._commands.put((lambda: time.sleep(seconds), lambda _e: None))
+
     # -- engine thread ---------------------------------------------------------------------
     def _apply_nice(self) -> None:
         """Add ``config.thread_nice`` to this (the engine) thread's niceness; a refusal is logged."""

@@ -7,7 +7,10 @@ prompt produces the same hash reuses it instead of recomputing it.
 Invariants:
   * every block is in exactly one state: free (no hash, refcount 0, in ``_free``),
     cached-evictable (hash, refcount 0, owned by the eviction policy), or in use (refcount > 0);
-  * a block's hash never changes while it is cached; ``_cached[h].block_hash == h``;
+  * a block's hash never changes while it is cached; ``_cached[h].block_hash == h``; a cached
+    block's KV is never written (writes go to uncached blocks), and ``generation`` grows each
+    time a block leaves the cache, so the KV of a block whose hash and generation are unchanged
+    over a copy is the KV of that hash (what lets pulls export without the engine thread);
   * ``num_free_blocks()`` = free + cached-evictable blocks; ``num_free_blocks(tenant)`` = what
     ``tenant`` may take without touching another tenant's guaranteed minimum = the most
     ``allocate(n, tenant)`` can get. Another tenant's guaranteed blocks are never taken, not
@@ -78,6 +81,10 @@ class Block:
     block_hash: BlockHash | None = None
     parent_hash: BlockHash | None = None
     owner: TenantId | None = None
+    # bumped each time the block leaves the prefix cache: a reader off the engine thread that saw
+    # the same generation and hash before and after copying the block read KV that was not
+    # overwritten meanwhile (only uncached blocks are ever written; ``LLMEngine.export_prefix``)
+    generation: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,5 +290,6 @@ class BlockPool:
         self._events.append(BlockEvent("removed", block.block_hash, block.parent_hash, domain))
         self.eviction.on_dropped(block.block_id)
         self._tenant_stats(owner).evictions += 1
+        block.generation += 1
         block.block_hash = block.parent_hash = block.owner = None
         self._free.append(block.block_id)

@@ -45,6 +45,10 @@ class KVBlocks:
     def num_blocks(self) -> int:
         return self.k.shape[1]
 
+    def head(self, n: int) -> "KVBlocks":
+        """The first ``n`` blocks (no digest: set it again)."""
+        return KVBlocks(self.k[:, :n], self.v[:, :n], self.positions[:n], self.model_id, self.hashes[:n], self.dtype)
+
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes

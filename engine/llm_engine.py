@@ -135,6 +135,7 @@ class LLMEngine:
         self._failed_steps = 0  # consecutive steps in which every request failed
         self.num_failed = 0
         self.optional_failures: dict[str, int] = {}  # donations/approximate builds skipped on an error
+        self.export_races = 0  # exports cut short: a block left the cache while it was copied (export_prefix)
 
     def _eos_ids(self) -> set[int]:
         ids = set()
@@ -683,13 +684,36 @@ class LLMEngine:
 
     def export_prefix(self, chains: dict[str, list[BlockHash]], start: int, end: int) -> KVBlocks | None:
         """KV of prompt blocks [start, end) held here under any of ``chains`` (up to the first
-        miss), or None. Only hashes the requester computed from its own tokens can match."""
-        blocks = self.kv.held_blocks(chains, start, end)
-        if not blocks:
+        miss), or None. Only hashes the requester computed from its own tokens can match.
+
+        Safe from any thread, without waiting for the step in progress (a pull's holder is
+        usually busy: that is why the prompt goes elsewhere). Lock-free, like a seqlock: each
+        block's generation is read before its hash is checked, the blocks are copied, and the
+        export ends before the first block whose hash or generation changed meanwhile (it left
+        the cache and may have been overwritten; ``BlockPool``'s invariants)."""
+        seen: list[tuple[object, int, BlockHash]] = []
+        for i in range(start, min(end, min((len(c) for c in chains.values()), default=0))):
+            hit = None
+            for c in chains.values():
+                b = self.pool.get_cached_block(c[i])
+                if b is not None:
+                    g = b.generation
+                    if b.block_hash == c[i]:
+                        hit = (b, g, c[i])
+                        break
+            if hit is None:
+                break
+            seen.append(hit)
+        if not seen:
             return None
         bs = self.config.block_size
-        return self.cache.export_blocks([b.block_id for b in blocks], [(start + i) * bs for i in range(len(blocks))],
-                                        self.loaded.model_id, [b.block_hash for b in blocks])
+        data = self.cache.export_blocks([b.block_id for b, _, _ in seen], [(start + i) * bs for i in range(len(seen))],
+                                        self.loaded.model_id, [h for _, _, h in seen])
+        intact = next((i for i, (b, g, h) in enumerate(seen) if b.generation != g or b.block_hash != h), len(seen))
+        if intact == len(seen):
+            return data
+        self.export_races += 1
+        return data.head(intact) if intact else None
 
     def import_prefix(self, data: KVBlocks, start: int, chains: dict[str, list[BlockHash]], tenant: str) -> int:
         """Verify pulled blocks against ``chains`` and register them in the prefix cache (evictable,

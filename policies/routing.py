@@ -22,7 +22,8 @@ Estimates are learned online:
     weight that grows from ``alpha`` for samples within ``noise_factor`` of the estimate to
     ``jump_alpha`` for samples off by ``jump_factor`` or more (a re-shaped link, not noise),
     from real transfers, and EWMA of RTT from small transfers / probes.
-  * queue wait: from each worker's published ``WorkerLoad``.
+  * queue wait: from each worker's published ``WorkerLoad``: its prompts' predicted prefills,
+    plus, per sequence decoding there, a wait learned from measured TTFTs (``DecodeModel``).
 
 Invariants: predictions are finite and >= 0; prefill predictions never decrease with more new
 tokens; a decision never pulls a block that no live holder has, and never more than the prompt
@@ -161,6 +162,54 @@ class PrefillModel:
         return best
 
 
+class DecodeModel:
+    """Seconds each sequence decoding on a worker adds to a new request's wait, learned from
+    outcomes. A sample is (sequences decoding there when the request was routed, its measured
+    TTFT minus the prediction without this term). The estimate is the slope of a least-squares
+    line through the last ``window`` samples, with an intercept: an error that does not grow with
+    the decoding sequences (a slow ingress, a mispredicted prompt queue) goes into the
+    intercept, which is not used, instead of being charged per sequence. The slope is ridge-pulled
+    toward a prior by ``weight`` (in units of squared sequence counts), never below 0; residuals
+    are capped at ``cap_s`` so that one stalled request cannot swing it.
+
+    Why it exists: a decode row makes every step on that worker longer, and a CPU step is not
+    preemptible, so a busy holder answers later than its queue of prompts alone says; without
+    this term a hot prefix piles onto its holders while other workers idle."""
+
+    def __init__(self, prior_s: float = 0.0, weight: float = 16.0, window: int = 256, cap_s: float = 30.0):
+        self.prior_s, self.weight, self.cap_s = max(0.0, prior_s), weight, cap_s
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._value: float | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples)
+
+    def center_on(self, prior_s: float) -> None:
+        if max(0.0, prior_s) != self.prior_s:
+            self.prior_s, self._value = max(0.0, prior_s), None
+
+    def observe(self, running: int, residual_s: float) -> None:
+        if running < 0 or not math.isfinite(residual_s):
+            return
+        self._samples.append((running, max(-self.cap_s, min(self.cap_s, residual_s))))
+        self._value = None
+
+    @property
+    def seconds(self) -> float:
+        if self._value is None:
+            n = len(self._samples)
+            sxx = sxy = 0.0
+            if n:
+                mx = sum(x for x, _ in self._samples) / n
+                my = sum(y for _, y in self._samples) / n
+                for x, y in self._samples:
+                    sxx += (x - mx) ** 2
+                    sxy += (x - mx) * (y - my)
+            self._value = max(0.0, (sxy + self.weight * self.prior_s) / (sxx + self.weight))
+        return self._value
+
+
 # ----------------------------------------------------------------------------------------------
 # Links
 # ----------------------------------------------------------------------------------------------
@@ -280,6 +329,7 @@ class Candidate:
     local_tokens: int
     pulled_tokens: int
     pulls: tuple[PullRange, ...] = ()
+    decode_wait_s: float = 0.0  # the part of ``wait_s`` charged for sequences decoding on ``worker``
 
     @property
     def cached_tokens(self) -> int:
@@ -307,7 +357,8 @@ class RouteDecision:
 class CostConfig:
     block_size: int = 16
     bytes_per_token: int = 2 * 30 * 3 * 64 * 4  # K+V, layers, kv heads, head dim, float32
-    decode_step_s: float = 0.0  # extra wait per decoding sequence on the target
+    decode_step_s: float = 0.0  # extra wait per decoding sequence on the target (the prior when learned)
+    learn_decode: bool = True  # learn that wait per worker from measured TTFTs (``DecodeModel``)
     prefill_prior: PrefillPrior = field(default_factory=PrefillPrior)
     link_prior: LinkPrior = field(default_factory=LinkPrior)
     min_samples_own_fit: int = 1  # below this a worker uses the pooled fit of all workers
@@ -324,6 +375,8 @@ class CostModel:
         self._pooled = PrefillModel(self.config.prefill_prior, window=self.config.window)
         self.nodes: dict[WorkerId, NodeId] = {}
         self.loads: dict[WorkerId, WorkerLoad] = {}
+        self._decode: dict[WorkerId, DecodeModel] = {}
+        self._decode_pooled = DecodeModel(self.config.decode_step_s)
 
     # -- learning ---------------------------------------------------------------------------
     def register(self, worker: WorkerId, node: NodeId) -> None:
@@ -331,7 +384,7 @@ class CostModel:
         self.loads.setdefault(worker, WorkerLoad())
 
     def remove(self, worker: WorkerId) -> None:
-        for table in (self.nodes, self.loads, self._prefill):
+        for table in (self.nodes, self.loads, self._prefill, self._decode):
             table.pop(worker, None)
 
     def observe_prefill(self, worker: WorkerId, new_tokens: int, seconds: float, cached_tokens: int = 0) -> None:
@@ -343,6 +396,37 @@ class CostModel:
 
     def observe_load(self, worker: WorkerId, load: WorkerLoad) -> None:
         self.loads[worker] = load
+
+    def observe_outcome(self, worker: WorkerId, running: int, predicted_s: float, actual_s: float,
+                        decode_wait_s: float = 0.0) -> None:
+        """A request routed to ``worker`` while ``running`` sequences decoded there, predicted
+        to start after ``predicted_s`` (of which ``decode_wait_s`` for those sequences: the
+        chosen ``Candidate``'s), got its first token after ``actual_s``: a sample of the decode
+        term (``DecodeModel``), measured against the prediction without it, so that the
+        estimate does not feed on itself (requests with nothing decoding are samples too: they
+        anchor the intercept). Only for routes without a pull: a pull's error is the link's,
+        not the worker's."""
+        if not self.config.learn_decode or running < 0 or worker not in self.nodes:
+            return
+        if not all(math.isfinite(x) for x in (predicted_s, actual_s, decode_wait_s)) or actual_s < 0:
+            return
+        residual = actual_s - (predicted_s - decode_wait_s)
+        model = self._decode.get(worker)
+        if model is None:
+            model = self._decode[worker] = DecodeModel(self.config.decode_step_s, window=self.config.window)
+        model.observe(running, residual)
+        self._decode_pooled.observe(running, residual)
+
+    def decode_s(self, worker: WorkerId) -> float:
+        """Wait per decoding sequence on ``worker``: its own estimate shrunk toward the pooled
+        one (which is shrunk toward ``decode_step_s``); the pooled one until it has samples."""
+        if not self.config.learn_decode:
+            return self.config.decode_step_s
+        own = self._decode.get(worker)
+        if own is not None and own.num_samples >= self.config.min_samples_own_fit:
+            own.center_on(self._decode_pooled.seconds)
+            return own.seconds
+        return self._decode_pooled.seconds
 
     def prefill_model(self, worker: WorkerId) -> PrefillModel:
         """The worker's own fit, shrunk toward the pooled fit; the pooled fit until it has samples."""
@@ -360,7 +444,7 @@ class CostModel:
         load = self.loads.get(worker, WorkerLoad())
         model = self.prefill_model(worker)
         return (load.extra_wait_s + sum(model.predict(n) for n in load.waiting_tokens)
-                + load.running * self.config.decode_step_s)
+                + load.running * self.decode_s(worker))
 
     def usable_tokens(self, prompt_tokens: int, held: int) -> int:
         """Held prefix usable for a prompt: whole blocks, never the prompt's last token."""
@@ -425,9 +509,11 @@ class CostModel:
         out: list[Candidate] = []
         for w in targets:
             wait = self.wait_s(w)
+            dec = self.loads.get(w, WorkerLoad()).running * self.decode_s(w)
             own = max(held_blocks.get(w, 0), self.usable_tokens(prompt_tokens, pending.get(w, 0)) // bs) * bs
             pre = self.prefill_s(w, prompt_tokens - own, own)
-            out.append(Candidate(w, "local" if own else "recomputed", wait + pre, wait, pre, 0.0, own, 0))
+            out.append(Candidate(w, "local" if own else "recomputed", wait + pre, wait, pre, 0.0, own, 0,
+                                 decode_wait_s=dec))
             for level in levels:
                 if level * bs <= own:
                     continue
@@ -438,7 +524,7 @@ class CostModel:
                 cached = level * bs
                 pre = self.prefill_s(w, prompt_tokens - cached, cached)
                 out.append(Candidate(w, "pulled", wait + pull_s + pre, wait, pre, pull_s, own,
-                                     cached - own, ranges))
+                                     cached - own, ranges, dec))
         return out
 
     def rank(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],

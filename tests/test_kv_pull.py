@@ -4,6 +4,7 @@ import asyncio
 import os
 import time
 
+import numpy as np
 import pytest
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -85,6 +86,64 @@ def test_import_verifies_hashes_model_and_isolation(tiny_model):
     # with a grant (t2 reads t1's domain) they can
     granted = b.prompt_chains(Request("y", req.prompt_ids, GREEDY, tenant="t2", read_domains=("t1",)))
     assert a.export_prefix(granted, 0, 4).num_blocks == 4
+
+
+def test_an_export_racing_an_eviction_ends_before_the_first_overwritten_block(tiny_model):
+    """Exports run off the engine thread, so the engine may evict and overwrite a block while it
+    is copied: the export ends before the first block that left the cache meanwhile."""
+    a = LLMEngine(CFG, loaded=tiny_model)
+    a.generate([Request("warm", PREFIX + (9, 9, 9), GREEDY, tenant="t1")])
+    chains = a.prompt_chains(Request("r", PREFIX + (5,), GREEDY, tenant="t1"))
+    clean = a.export_prefix(chains, 0, 4)
+    assert clean.num_blocks == 4 and a.export_races == 0
+    copy, taken = a.cache.export_blocks, []
+
+    def racing(*args, **kw):  # the engine thread, mid-copy: evicts two cached blocks and writes them
+        out = copy(*args, **kw)
+        free_list = a.pool.num_free_blocks() - len(a.kv.held_blocks(chains))
+        taken.extend(a.pool.allocate(free_list + 2, "t2"))
+        for layer in range(a.cache.num_layers):
+            pk, pv = a.cache.paged(layer)
+            pk[[b.block_id for b in taken]] = 1e3
+        return out
+
+    a.cache.export_blocks = racing
+    data = a.export_prefix(chains, 0, 4)
+    assert a.export_races == 1
+    assert data.num_blocks == 2 and data.positions == (0, 16)  # the tail blocks are evicted first
+    assert np.array_equal(data.k, clean.k[:, :2]) and np.array_equal(data.v, clean.v[:, :2])
+    a.pool.free(taken)
+    taken.clear()
+    a.cache.export_blocks = lambda *args, **kw: (out := copy(*args, **kw), a.pool.reset_prefix_cache())[0]
+    assert a.export_prefix(chains, 0, 2) is None and a.export_races == 2  # every block left: nothing
+    a.pool.check_invariants()
+
+
+@pytest.mark.ray
+def test_a_busy_holder_serves_a_pull_without_its_engine_thread(tiny_model):
+    """A pull's holder is usually busy (that is why the prompt goes elsewhere): its export does
+    not wait for the step in progress. The holder's engine thread is stalled for longer than the
+    pull may take; the pull still lands whole and the output equals a recompute."""
+    import ray
+
+    from actors.worker import Pull, worker_actor_class
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        W = worker_actor_class(num_gpus=0, num_cpus=0)
+        holder, target = W.remote("h", CFG), W.remote("t", CFG, 30.0, 1)  # 1-block chunks: 4 exports
+        ray.get([holder.ready.remote(), target.ready.remote()])
+        ray.get(holder.generate_all.remote(Request("warm", PREFIX + (9, 9), GREEDY, tenant="t1")))
+        ray.get(holder.set_faults.remote(["engine_stall:120"]))
+        prompt = PREFIX + (5, 6, 7)
+        outs = ray.get(target.generate_all.remote(Request("r", prompt, GREEDY, tenant="t1"),
+                                                  (Pull(holder, "n", 0, 4, timeout_s=20.0),)), timeout=60)
+        assert outs[-1].pulled_tokens == 64 and ids(outs) == reference(tiny_model, prompt)
+    finally:
+        if started:
+            ray.shutdown()
 
 
 @pytest.mark.ray

@@ -318,3 +318,70 @@ def test_a_pull_may_take_twice_its_estimate_or_as_long_as_recomputing_never_less
     assert pull_deadline_s(2.0, 1.0) == 4.0  # twice the expected transfer
     assert pull_deadline_s(0.5, 3.0) == 3.0  # as long as recomputing those tokens would take
     assert pull_deadline_s(-1.0, -1.0, floor_s=0.5) == 0.5
+
+
+# -- the decode term, learned from outcomes ----------------------------------------------------
+def test_a_busy_holders_decode_wait_is_learned_and_moves_the_next_request_off_it():
+    """Requests to a holder start later the more sequences decode there (0.3 s each, plus 0.5 s
+    whatever the load); the measured TTFTs teach the per-sequence term, and with 8 decoding the
+    next request on that prefix is pulled to the idle worker instead of piling onto the holder."""
+    cm = model(("A", "n1"), ("B", "n2"))
+    teach_link(cm, "n1", "n2", 10 * GBIT)
+    cm.observe_load("A", WorkerLoad(running=8))
+    before = cm.decide(544, {"A": 544})
+    assert before.worker == "A" and before.kind == "local" and cm.decode_s("A") == 0.0
+    for i in range(24):
+        running = (0, 2, 4, 8)[i % 4]
+        cm.observe_outcome("A", running, 0.1, 0.1 + 0.5 + 0.3 * running)
+    pooled = 0.3 * 210 / (210 + 16)  # the slope over all workers, ridge-pulled toward the prior (0)
+    assert cm.decode_s("A") == pytest.approx((0.3 * 210 + 16 * pooled) / (210 + 16))  # A's, pulled toward that
+    assert cm.wait_s("A") == pytest.approx(8 * cm.decode_s("A"))  # the 0.5 s intercept is not charged
+    after = cm.decide(544, {"A": 544})
+    assert after.worker == "B" and after.kind == "pulled"
+    assert cm.decode_s("B") == pytest.approx(pooled)  # B has no samples: the pooled estimate
+    for i in range(200):  # later predictions include the term; it is learned against the rest: no runaway
+        running = (0, 2, 4, 8)[i % 4]
+        cm.observe_load("A", WorkerLoad(running=running))
+        a = next(c for c in cm.rank(544, {"A": 544}) if c.worker == "A")
+        assert a.decode_wait_s == pytest.approx(running * cm.decode_s("A"))
+        cm.observe_outcome("A", running, a.expected_ttft_s, a.prefill_s + 0.5 + 0.3 * running, a.decode_wait_s)
+    assert 0.29 < cm.decode_s("A") < 0.3
+
+
+def test_the_decode_term_charges_only_what_grows_with_decoding_never_negative_and_can_be_off():
+    cm = model(("A", "n1"))
+    for i in range(40):
+        cm.observe_outcome("A", i % 5, 1.0, 6.0)  # 5 s late whatever the load: not per sequence
+    assert cm.decode_s("A") == 0.0
+    for i in range(40):
+        cm.observe_outcome("A", i % 5, 2.0, 2.0 - 0.2 * (i % 5))  # faster the busier: never below 0
+    assert cm.decode_s("A") == 0.0
+    cm = model(("A", "n1"))
+    for i in range(40):
+        cm.observe_outcome("A", i % 5, 0.1, 0.1 + 0.1 * (i % 5))
+    clean = cm.decode_s("A")
+    cm.observe_outcome("A", 4, 0.1, 4000.0)  # one stalled request: capped at 30 s
+    assert clean < cm.decode_s("A") < clean + 1.0  # uncapped it would add ~77 s per sequence
+    cm.observe_outcome("ghost", 4, 0.1, 50.0)  # not a registered worker: ignored
+    assert "ghost" not in cm._decode
+    fixed = CostModel(CostConfig(decode_step_s=0.05, learn_decode=False))
+    fixed.register("A", "n1")
+    for i in range(10):
+        fixed.observe_outcome("A", i, 0.1, 5.0 * i)
+    assert fixed.decode_s("A") == 0.05
+
+
+def test_the_router_actor_learns_the_decode_term_from_routes_without_pulls_only():
+    from actors.router import Router
+
+    r = Router(CostConfig(block_size=BS, bytes_per_token=BPT))
+    r.register("A", "n1")
+    for i in range(10):
+        r.report_outcome("pulled", 0.1, 0.1 + i, "A", i)  # a pull's error is the link's
+    assert r.estimates()["decode_s"]["A"] == 0.0
+    for i in range(10):
+        r.report_outcome("local", 0.1, 0.1 + 0.2 * i, "A", i)
+    r.report_outcome("local", 0.1, 0.9)  # a client that does not name the worker: only the error counts
+    pooled = 0.2 * 82.5 / (82.5 + 16)  # slope 0.2 s per sequence, ridge-pulled toward 0 (pooled)
+    assert r.estimates()["decode_s"]["A"] == pytest.approx((0.2 * 82.5 + 16 * pooled) / (82.5 + 16))
+    assert r.metrics()["ttft_error"]["local"]["count"] == 11
