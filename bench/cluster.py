@@ -45,6 +45,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import cluster_report as report  # noqa: E402
@@ -314,6 +316,9 @@ def parse_args(argv=None):
                          "with a template tenant; elsewhere kvmesh+approx is kvmesh)")
     ap.add_argument("--workloads", default="multi_turn,multi_tenant,mooncake_trace",
                     help="kvmesh-loadgen workloads to run after the shared-prefix sweep ('' for none)")
+    ap.add_argument("--kvmesh-args", default="",
+                    help="extra app arguments of the kvmesh configurations, key=value comma separated (values "
+                         "parsed as YAML), e.g. router_learn_decode=false")
     ap.add_argument("--tag-prefix", default="kvc", help="prefix of the namespaces/links this run creates")
     ap.add_argument("--out", default=str(RESULTS / "cluster.json"))
     a = ap.parse_args(argv)
@@ -327,6 +332,7 @@ def parse_args(argv=None):
     if a.node_cpus is None:
         a.node_cpus = round(0.8 * (os.cpu_count() or 1) / a.workers, 3)
     a.workloads = [w for w in a.workloads.split(",") if w]
+    a.kvmesh_args = {k.strip(): yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in a.kvmesh_args.split(",") if kv)}
     return a
 
 
@@ -418,6 +424,8 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
     tenants = setup.tenants_file(name, grants, TEMPLATE)
     serve_cfg = setup.serve_config(name, host=cl.head.ip, port=PORT, workers=args.workers, kv_bytes=kv_bytes,
                                    tenants_path=f"/root/bench/tenants-{name.replace('+', '-')}.yaml")
+    if name.startswith("kvmesh") and args.kvmesh_args:
+        serve_cfg["applications"][0]["args"].update(args.kvmesh_args)
     res["serve_config"] = serve_cfg
     log(f"{name}: serve deploy")
     res["deploy_s"] = round(cl.deploy(name, serve_cfg, tenants, timeout_s=900), 1)

@@ -91,6 +91,9 @@ class AppSettings:
     # between layers when its request arrives (EngineConfig.interrupt_for_guarded)
     guarded_steps_alone: bool = True
     interrupt_for_guarded: bool = True
+    # the router learns, per worker, the wait each decoding sequence adds to a new request's TTFT
+    # (policies.routing.DecodeModel); false: it charges nothing for decoding sequences
+    router_learn_decode: bool = True
 
     def __post_init__(self):
         if self.metrics_auth not in ("none", "admin"):
@@ -143,7 +146,7 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
     return PoolConfig(engine=engine, autoscale=s.autoscale(), shares=tuple(sorted(tenants.worker_shares().items())),
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,
                       auto_device=s.device is None, auto_dtype=s.dtype is None, ready_timeout_s=s.ready_timeout_s,
-                      app=app)
+                      app=app, router_learn_decode=s.router_learn_decode)
 
 
 def build_app(args: dict) -> Application:

@@ -81,6 +81,7 @@ class PoolConfig:
     # Route by the global index + router actor's TTFT model (pull / local / recompute). Off:
     # least-loaded routing and no index/router actors.
     cost_aware_routing: bool = True
+    router_learn_decode: bool = True  # CostConfig.learn_decode of the router actor this pool creates
     probe_interval_s: float = 30.0  # light link probes between workers on different nodes (0: off)
     health_interval_s: float = 2.0  # engine/actor death watch per worker (0: off); its retry delay
     health_timeout_s: float = 10.0  # a slower answer is not a death (unreachable != dead)
@@ -234,7 +235,8 @@ class WorkerPool:
         from policies.routing import CostConfig
 
         if self._router_actor is None:  # the first ready worker tells the KV size per token
-            self._router_cost = CostConfig(block_size=ws.info["block_size"], bytes_per_token=ws.info["kv_bytes_per_token"])
+            self._router_cost = CostConfig(block_size=ws.info["block_size"], bytes_per_token=ws.info["kv_bytes_per_token"],
+                                           learn_decode=self.config.router_learn_decode)
             self._router_actor = await asyncio.to_thread(get_or_create_router, self._router_cost, False,
                                                          self.config.app or None)
             self._router_client = RouterClient(self._router_actor, timeout_s=ROUTE_TIMEOUT_S,

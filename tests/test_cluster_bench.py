@@ -238,3 +238,11 @@ def test_a_process_started_in_a_host_cgroup_is_held_to_its_quota_and_the_cgroup_
         stats = cpuquota.throttled(cg)
         assert stats["periods"] > 0 and stats["throttled"] > 0  # a busy loop over 0.1 core is throttled
     assert not cg.exists()
+
+
+def test_kvmesh_args_are_parsed_as_yaml_values():
+    from bench.cluster import parse_args
+
+    a = parse_args(["--kvmesh-args", "router_learn_decode=false,max_num_seqs=8"])
+    assert a.kvmesh_args == {"router_learn_decode": False, "max_num_seqs": 8}
+    assert parse_args([]).kvmesh_args == {}

@@ -49,6 +49,15 @@ def test_flood_knobs_are_checked_when_the_app_is_built(args, words):
     assert (e.guarded_steps_alone, e.interrupt_for_guarded) == (False, False)
 
 
+def test_the_routers_decode_learning_is_an_app_argument_that_reaches_the_pool():
+    from cluster.app import AppSettings, pool_config
+    from policies.tenancy import Tenants
+
+    tenants = Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})
+    assert pool_config(AppSettings.from_args({}), tenants).router_learn_decode is True
+    assert pool_config(AppSettings.from_args({"router_learn_decode": False}), tenants).router_learn_decode is False
+
+
 @pytest.mark.parametrize("name", ["ray-up-local.yaml", "ray-up-aws-gpu.yaml"])
 def test_ray_up_configs_validate(name):
     from ray.autoscaler._private.util import fillout_defaults, validate_config
