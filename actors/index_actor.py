@@ -34,6 +34,7 @@ from typing import Mapping, Sequence
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
 
+from actors.head_affinity import on_head
 from actors.index_publisher import SlotUpdate, decode_message
 from actors.prefix_index import PrefixIndex
 from actors.slot_registry import SlotKey, SlotRegistry
@@ -243,7 +244,7 @@ def get_or_create_index(block_size: int = 16, **kwargs):
     """The cluster's index actor, created (detached, restartable) if missing. Blocking GCS call:
     use at start-up, or through ``asyncio.to_thread`` from async code."""
     return index_actor_class().options(name=INDEX_NAME, namespace=NAMESPACE, lifetime="detached",
-                                       get_if_exists=True).remote(block_size, **kwargs)
+                                       get_if_exists=True, **on_head()).remote(block_size, **kwargs)
 
 
 def get_index():

@@ -31,6 +31,7 @@ from typing import Mapping, Sequence
 
 import ray
 
+from actors.head_affinity import on_head
 from policies.routing import (Candidate, CostConfig, CostModel, NodeId, RouteDecision, WorkerId,
                               WorkerLoad, power_of_two)
 
@@ -168,7 +169,7 @@ def get_or_create_router(config: CostConfig | None = None, detached: bool = Fals
     Restarted by Ray if its process dies (``max_restarts=-1``; the handles stay valid): it comes
     back with empty estimates, and the pool re-registers its workers (``sync_workers``)."""
     opts = dict(name=router_name(app), namespace=ROUTER_NAMESPACE, get_if_exists=True, num_cpus=0,
-                max_restarts=-1)
+                max_restarts=-1, **on_head())
     if detached:
         opts["lifetime"] = "detached"
     return ray.remote(Router).options(**opts).remote(config)

@@ -92,8 +92,8 @@ class AppSettings:
     guarded_steps_alone: bool = True
     interrupt_for_guarded: bool = True
     # the router learns, per worker, the wait each decoding sequence adds to a new request's TTFT
-    # (policies.routing.DecodeModel); false: it charges nothing for decoding sequences
-    router_learn_decode: bool = True
+    # (policies.routing.DecodeModel); false (default): it charges nothing for decoding sequences
+    router_learn_decode: bool = False
 
     def __post_init__(self):
         if self.metrics_auth not in ("none", "admin"):

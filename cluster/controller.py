@@ -42,6 +42,7 @@ from typing import AsyncIterator
 
 import ray
 
+from actors.head_affinity import on_head
 from cluster.pool import (PoolConfig, RouteChoice, WorkerDied, WorkerPool, WorkerUnavailable, prefill_sample,
                           resolve_pool_config, stream_outputs)
 from engine.sequence import InvalidRequest, Request, RequestOutput
@@ -427,7 +428,7 @@ def get_or_create_controller(app: str, config: PoolConfig, tenants_data: dict, c
     code use ``asyncio.to_thread``."""
     cls = ray.remote(num_cpus=0, max_concurrency=1000, max_restarts=0)(Controller)
     return cls.options(name=controller_name(app), namespace=NAMESPACE, lifetime="detached",
-                       get_if_exists=True).remote(app, config, tenants_data, client_ttl_s)
+                       get_if_exists=True, **on_head()).remote(app, config, tenants_data, client_ttl_s)
 
 
 def _cause(e: BaseException) -> BaseException:

@@ -358,7 +358,10 @@ class CostConfig:
     block_size: int = 16
     bytes_per_token: int = 2 * 30 * 3 * 64 * 4  # K+V, layers, kv heads, head dim, float32
     decode_step_s: float = 0.0  # extra wait per decoding sequence on the target (the prior when learned)
-    learn_decode: bool = True  # learn that wait per worker from measured TTFTs (``DecodeModel``)
+    # learn that wait per worker from measured TTFTs (``DecodeModel``). Off by default: on the
+    # cluster bench it lifted a hot prefix ~6% but cost the shared-prefix workload hits and ~10%
+    # throughput (cluster/README.md, "Session 8")
+    learn_decode: bool = False
     prefill_prior: PrefillPrior = field(default_factory=PrefillPrior)
     link_prior: LinkPrior = field(default_factory=LinkPrior)
     min_samples_own_fit: int = 1  # below this a worker uses the pooled fit of all workers

@@ -14,8 +14,9 @@ BPT = 46080  # SmolLM2-135M K+V bytes per token in float32
 GBIT = 125e6
 
 
-def model(*workers, prior=None) -> CostModel:
-    cm = CostModel(CostConfig(block_size=BS, bytes_per_token=BPT, prefill_prior=prior or PrefillPrior()))
+def model(*workers, prior=None, learn_decode=False) -> CostModel:
+    cm = CostModel(CostConfig(block_size=BS, bytes_per_token=BPT, prefill_prior=prior or PrefillPrior(),
+                              learn_decode=learn_decode))
     for w, node in workers:
         cm.register(w, node)
     return cm
@@ -325,7 +326,7 @@ def test_a_busy_holders_decode_wait_is_learned_and_moves_the_next_request_off_it
     """Requests to a holder start later the more sequences decode there (0.3 s each, plus 0.5 s
     whatever the load); the measured TTFTs teach the per-sequence term, and with 8 decoding the
     next request on that prefix is pulled to the idle worker instead of piling onto the holder."""
-    cm = model(("A", "n1"), ("B", "n2"))
+    cm = model(("A", "n1"), ("B", "n2"), learn_decode=True)
     teach_link(cm, "n1", "n2", 10 * GBIT)
     cm.observe_load("A", WorkerLoad(running=8))
     before = cm.decide(544, {"A": 544})
@@ -349,14 +350,14 @@ def test_a_busy_holders_decode_wait_is_learned_and_moves_the_next_request_off_it
 
 
 def test_the_decode_term_charges_only_what_grows_with_decoding_never_negative_and_can_be_off():
-    cm = model(("A", "n1"))
+    cm = model(("A", "n1"), learn_decode=True)
     for i in range(40):
         cm.observe_outcome("A", i % 5, 1.0, 6.0)  # 5 s late whatever the load: not per sequence
     assert cm.decode_s("A") == 0.0
     for i in range(40):
         cm.observe_outcome("A", i % 5, 2.0, 2.0 - 0.2 * (i % 5))  # faster the busier: never below 0
     assert cm.decode_s("A") == 0.0
-    cm = model(("A", "n1"))
+    cm = model(("A", "n1"), learn_decode=True)
     for i in range(40):
         cm.observe_outcome("A", i % 5, 0.1, 0.1 + 0.1 * (i % 5))
     clean = cm.decode_s("A")
@@ -364,7 +365,7 @@ def test_the_decode_term_charges_only_what_grows_with_decoding_never_negative_an
     assert clean < cm.decode_s("A") < clean + 1.0  # uncapped it would add ~77 s per sequence
     cm.observe_outcome("ghost", 4, 0.1, 50.0)  # not a registered worker: ignored
     assert "ghost" not in cm._decode
-    fixed = CostModel(CostConfig(decode_step_s=0.05, learn_decode=False))
+    fixed = CostModel(CostConfig(decode_step_s=0.05))  # learning is off by default
     fixed.register("A", "n1")
     for i in range(10):
         fixed.observe_outcome("A", i, 0.1, 5.0 * i)
@@ -374,7 +375,7 @@ def test_the_decode_term_charges_only_what_grows_with_decoding_never_negative_an
 def test_the_router_actor_learns_the_decode_term_from_routes_without_pulls_only():
     from actors.router import Router
 
-    r = Router(CostConfig(block_size=BS, bytes_per_token=BPT))
+    r = Router(CostConfig(block_size=BS, bytes_per_token=BPT, learn_decode=True))
     r.register("A", "n1")
     for i in range(10):
         r.report_outcome("pulled", 0.1, 0.1 + i, "A", i)  # a pull's error is the link's
