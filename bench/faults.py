@@ -2,9 +2,10 @@
 
 Cluster (``bench.netlab``): the Ray head in the root namespace (2 CPUs) and one Ray node in its
 own network namespace behind a 1 Gbit/s veth (1 CPU); the kvmesh Serve app (``cluster.app``,
-2 ingress replicas pinned to the head, so the controller starts there too; ``--workers`` workers
-of ``--model``, 1 CPU each: two on the head, one behind the veth). Zero-CPU actors the pool
-creates (the router) land where Ray puts them; ``placement`` in the JSON says where.
+2 ingress replicas pinned to the head; ``--workers`` workers of ``--model``, 1 CPU each: two on
+the head, one behind the veth). The controller, index and router run on the head
+(``actors/head_affinity.py``; before session 8 they landed where Ray put them, in one run all on
+the namespace node); ``placement`` in the JSON says where.
 A bounded async client keeps ``--concurrency`` streaming greedy completions in flight over
 prompts of ``--prefixes`` shared system paragraphs x ``--questions`` questions.
 
