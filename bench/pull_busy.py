@@ -128,11 +128,10 @@ def main() -> None:
     arms = {"before": args.before, "after": args.after} if args.before else {"after": args.after}
     out = {"bench": "pull_busy", "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
            "args": {k: v for k, v in vars(args).items() if k != "arm"}, "arms": {}}
-    passthrough = [a for a in sys.argv[1:]]
     for name, tree in arms.items():
         print(f"arm {name}: {tree}", flush=True)
         env = {**os.environ, "PYTHONPATH": tree, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *passthrough, "--arm", name],
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--arm", name],
                               cwd=tree, env=env, capture_output=True, text=True, timeout=900)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         for ln in proc.stdout.splitlines():

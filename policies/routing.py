@@ -444,10 +444,14 @@ class CostModel:
         return self.prefill_model(worker).predict(new_tokens, cached_tokens)
 
     def wait_s(self, worker: WorkerId) -> float:
+        return self._wait_parts(worker)[0]
+
+    def _wait_parts(self, worker: WorkerId) -> tuple[float, float]:
+        """(the worker's expected wait, the part of it charged for its decoding sequences)."""
         load = self.loads.get(worker, WorkerLoad())
         model = self.prefill_model(worker)
-        return (load.extra_wait_s + sum(model.predict(n) for n in load.waiting_tokens)
-                + load.running * self.decode_s(worker))
+        decode = load.running * self.decode_s(worker)
+        return load.extra_wait_s + sum(model.predict(n) for n in load.waiting_tokens) + decode, decode
 
     def usable_tokens(self, prompt_tokens: int, held: int) -> int:
         """Held prefix usable for a prompt: whole blocks, never the prompt's last token."""
@@ -511,8 +515,7 @@ class CostModel:
         pending = pending or {}
         out: list[Candidate] = []
         for w in targets:
-            wait = self.wait_s(w)
-            dec = self.loads.get(w, WorkerLoad()).running * self.decode_s(w)
+            wait, dec = self._wait_parts(w)
             own = max(held_blocks.get(w, 0), self.usable_tokens(prompt_tokens, pending.get(w, 0)) // bs) * bs
             pre = self.prefill_s(w, prompt_tokens - own, own)
             out.append(Candidate(w, "local" if own else "recomputed", wait + pre, wait, pre, 0.0, own, 0,
