@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -52,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import cluster_report as report  # noqa: E402
 from bench import cluster_setup as setup  # noqa: E402
 from bench import cpuquota, ipperf, rayup, workloads  # noqa: E402
+from bench import steps as steptrace  # noqa: E402
 from bench.loadgen import Result, send_one, summarize  # noqa: E402
 from bench.netlab import LinkSpec, leftovers  # noqa: E402
 from bench.sshhosts import leftover_pids, ssh_hosts  # noqa: E402
@@ -319,6 +321,13 @@ def parse_args(argv=None):
     ap.add_argument("--kvmesh-args", default="",
                     help="extra app arguments of the kvmesh configurations, key=value comma separated (values "
                          "parsed as YAML), e.g. router_learn_decode=false")
+    ap.add_argument("--sweep", choices=("fresh", "steady"), default="fresh",
+                    help="fresh: one inference-perf run per rate, each with new groups (every stage starts cold); "
+                         "steady: one inference-perf run over all rates (after a warm-up stage) and one set of "
+                         "groups, as inference-perf sweeps: system prompts stay in use across stages")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="engines write step traces (engine/step_trace.py); each stage gets engine_steps "
+                         "(bench/steps.py: engine-side TTFT, requests that arrived at a busy engine, host speed)")
     ap.add_argument("--tag-prefix", default="kvc", help="prefix of the namespaces/links this run creates")
     ap.add_argument("--out", default=str(RESULTS / "cluster.json"))
     a = ap.parse_args(argv)
@@ -379,7 +388,8 @@ def main(argv=None) -> dict:
     t_start = time.monotonic()
     lab_ref = {}
     try:
-        with ssh_hosts(links, prefix=args.tag_prefix, env=HOST_ENV,
+        env = dict(HOST_ENV, KVMESH_STEP_TRACE_DIR=steptrace.TRACE_DIR) if args.step_trace else HOST_ENV
+        with ssh_hosts(links, prefix=args.tag_prefix, env=env,
                        binds={str(ipperf.CACHE): ".cache/kvmesh", str(Path.home() / ".pyenv"): ".pyenv"},
                        daemon=rayup.port_prewriter(),
                        cpus={w: args.node_cpus for w in workers} if args.node_cpus > 0 else None) as lab:
@@ -436,7 +446,15 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
         asyncio.run(drive(cl.base_url, warm, [None] * len(warm)))
         bar.update(1)
         m0 = parse_prometheus(cl.get("/metrics")[1])
-        if not approx_only:
+        if not approx_only and args.sweep == "steady":
+            for key, hot, rates in (("shared_prefix", False, args.rates), ("hot_prefix", True, args.hot_rates)):
+                if rates:
+                    stages = shared_prefix_steady(cl, name, args, exe, mdir, tok, rates, log, hot=hot)
+                    res[f"{key}_warmup"], res[key] = stages[0], stages[1:]
+                    bar.update(len(rates))
+                    write(doc, Path(args.out))
+            m0 = parse_prometheus(cl.get("/metrics")[1])
+        elif not approx_only:
             for k, rate in enumerate(args.rates):
                 res["shared_prefix"].append(shared_prefix_rate(cl, name, args, exe, mdir, tok, k, rate, log))
                 m1 = parse_prometheus(cl.get("/metrics")[1])
@@ -477,6 +495,8 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
         res["metrics_text"] = cl.get("/metrics")[1][:20000]
     finally:
         cl.shutdown_serve()
+        if args.step_trace:
+            engine_steps(cl, name, res)
         res["load_avg"]["end"] = load_avg()
         if approx_only:
             bar.update(1)
@@ -520,6 +540,17 @@ def cpu_delta(a: dict[str, float], b: dict[str, float], requests: int) -> dict:
             "cpu_s_per_request": {k: round(v / requests, 3) for k, v in d.items()} if requests else {}}
 
 
+def engine_steps(cl: Cluster, name: str, res: dict) -> None:
+    """Move this configuration's engine step traces off the hosts and add each inference-perf
+    stage's ``engine_steps`` (``bench.steps.summarize`` over the stage's wall-clock window)."""
+    files = steptrace.collect({n: h.tmp for n, h in cl.lab.hosts.items()}, cl.out / "steps" / name.replace("+", "-"))
+    engines = steptrace.read(files)
+    for key in ("shared_prefix", "hot_prefix"):
+        for s in res.get(key) or []:
+            if s.get("wall_clock"):
+                s["engine_steps"] = steptrace.summarize(engines, *s["wall_clock"])
+
+
 def pull_log(cl: Cluster, limit: int = 40) -> dict:
     """The workers' log lines about pulls (failed, skipped, replicated) from every host's Ray
     logs, with counts: why a planned pull did not land is in them."""
@@ -551,7 +582,7 @@ def shared_prefix_rate(cl: Cluster, name: str, args, exe, mdir, tok, k: int, rat
                         d / "reports")
     setup.dump_yaml(cfg, d / "inference-perf.yaml")
     log(f"{name}: {'hot' if hot else 'shared'} prefix at {rate:g} req/s for {args.stage_s}s (inference-perf)")
-    t0 = time.monotonic()
+    t0, wall0 = time.monotonic(), time.time()
     cpu0 = cpu_by_component(cl)
     rc = ipperf.run(exe, d / "inference-perf.yaml", d / "inference-perf.log", timeout_s=args.stage_s * 6 + 300)
     cpu1 = cpu_by_component(cl)
@@ -560,14 +591,105 @@ def shared_prefix_rate(cl: Cluster, name: str, args, exe, mdir, tok, k: int, rat
              for p in prompts]
     oracle = workloads.oracle_hits(items)
     wall = (max((r.sent_s + (r.latency_s or 0) for r in results), default=0.0)) if results else 0.0
-    s = summarize(results, args.ttft_slo, wall_s=max(wall, args.stage_s) if results else None)
-    s.update(rate=rate, inference_perf_rc=rc, run_s=round(time.monotonic() - t0, 1), hit=hit_ratio(results, oracle),
+    s = summarize(results, args.ttft_slo, wall_s=wall or None)
+    s.update(rate=rate, offered_rate=ipperf.load_summaries(d / "reports", 1)[0].get("achieved_rate"),
+             inference_perf_rc=rc, run_s=round(time.monotonic() - t0, 1), wall_clock=[wall0, time.time()],
+             hit=hit_ratio(results, oracle),
              load_avg=load_avg(), errors_sample=[r.error for r in results if r.error][:3],
              cpu=cpu_delta(cpu0, cpu1, s["ok"]))
     log(f"{name} @ {rate:g}/s: {s['ok']}/{s['requests']} ok, {s['request_throughput'] or 0:.2f} req/s, TTFT p50/p90/p99 "
         f"{_f(s['ttft_s']['p50'])}/{_f(s['ttft_s']['p90'])}/{_f(s['ttft_s']['p99'])} s, hit/oracle {_f(s['hit']['vs_oracle'])}, "
         f"CPU s/request {s['cpu']['cpu_s_per_request']}")
     return s
+
+
+class Sampler:
+    """Every ``period_s`` in a thread: the hosts' CPU by component and the app's ``/metrics``,
+    stamped with wall-clock time, so that one inference-perf run of several stages can be cut
+    into the stages' CPU and routing decisions afterwards."""
+
+    def __init__(self, cl: Cluster, period_s: float = 5.0):
+        import threading
+
+        self.cl, self.period_s = cl, period_s
+        self.samples: list[tuple[float, dict, dict]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _take(self) -> None:
+        t, cpu = time.time(), cpu_by_component(self.cl)
+        code, text = self.cl.get("/metrics", timeout_s=10)
+        self.samples.append((t, cpu, parse_prometheus(text) if code == 200 else {}))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._take()
+
+    def __enter__(self) -> "Sampler":
+        self._take()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._take()
+
+    def at(self, t: float) -> tuple[float, dict, dict]:
+        """The first sample taken at or after ``t`` (the last one if none)."""
+        return next((x for x in self.samples if x[0] >= t), self.samples[-1])
+
+
+def shared_prefix_steady(cl: Cluster, name: str, args, exe, mdir, tok, rates: list[float], log,
+                         hot: bool = False) -> list[dict]:
+    """The shared-prefix sweep as inference-perf runs one: a single run whose load stages are a
+    warm-up at the first rate and then ``rates``, over ONE set of groups (its data generator
+    walks one prompt list through all stages), so system prompts stay in use from stage to stage
+    as an application's do. Enough users per group that no prompt repeats. Per stage (warm-up
+    first): the same figures as ``shared_prefix_rate``, hit tokens against one infinite cache
+    over the whole run (a group warmed in an earlier stage is a hit for the oracle too), CPU and
+    routing decisions from a ``Sampler`` cut at the stage's wall-clock window."""
+    stage_rates = [rates[0], *rates]
+    total = sum(r * args.stage_s for r in stage_rates)
+    groups = 1 if hot else args.groups
+    users = int(total * 1.3 / groups) + 4
+    spec = ipperf.SharedPrefixSpec(groups, users, args.system_len, args.question_len, args.output_len,
+                                   seed=3000 if hot else 4000)
+    d = cl.out / f"{name.replace('+', '-')}-{'hot' if hot else 'shared'}-steady"
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = ipperf.config(spec, stage_rates, args.stage_s, cl.base_url, f"sk-{setup.BENCH_TENANT}", MODEL, str(mdir),
+                        d / "reports")
+    setup.dump_yaml(cfg, d / "inference-perf.yaml")
+    log(f"{name}: {'hot' if hot else 'shared'} prefix, one run, warm-up + {len(rates)} stages of {args.stage_s}s "
+        f"at {', '.join(f'{r:g}' for r in rates)} req/s over {groups} groups (inference-perf)")
+    with Sampler(cl) as sampler:
+        rc = ipperf.run(exe, d / "inference-perf.yaml", d / "inference-perf.log",
+                        timeout_s=len(stage_rates) * (args.stage_s * 6 + 120) + 300)
+    per_stage, prompts = ipperf.results(d / "reports", len(stage_rates), relative=False)
+    loads = ipperf.load_summaries(d / "reports", len(stage_rates))
+    items = [[workloads.WorkItem(tokenize(tok, p) or (0,), 1, 0.0, setup.BENCH_TENANT, setup.BENCH_TENANT)
+              for p in ps] for ps in prompts]
+    oracle = workloads.oracle_hits([w for ws in items for w in ws])
+    out, k = [], 0
+    for i, (results, rate) in enumerate(zip(per_stage, stage_rates)):
+        stage_oracle, k = oracle[k:k + len(results)], k + len(results)
+        if not results:
+            out.append({"rate": rate, "requests": 0, "ok": 0, "warmup": i == 0})
+            continue
+        t0 = min(r.sent_s for r in results)
+        t1 = max(r.sent_s + (r.latency_s or 0) for r in results)
+        s = summarize([dataclasses.replace(r, sent_s=r.sent_s - t0) for r in results], args.ttft_slo,
+                      wall_s=t1 - t0)
+        (_, c0, m0), (_, c1, m1) = sampler.at(t0), sampler.at(t1)
+        s.update(rate=rate, offered_rate=loads[i].get("achieved_rate"), warmup=i == 0, inference_perf_rc=rc, run_s=round(t1 - t0, 1), wall_clock=[t0, t1],
+                 hit=hit_ratio(results, stage_oracle), load_avg=load_avg(),
+                 errors_sample=[r.error for r in results if r.error][:3], cpu=cpu_delta(c0, c1, s["ok"]),
+                 kvmesh_metrics=decisions(metrics_delta(m0, m1)))
+        log(f"{name} @ {rate:g}/s{' (warm-up)' if i == 0 else ''}: {s['ok']}/{s['requests']} ok, "
+            f"{s['request_throughput'] or 0:.2f} req/s, TTFT p50/p90/p99 {_f(s['ttft_s']['p50'])}/"
+            f"{_f(s['ttft_s']['p90'])}/{_f(s['ttft_s']['p99'])} s, hit/oracle {_f(s['hit']['vs_oracle'])}")
+        out.append(s)
+    return out
 
 
 def _f(x) -> str:
@@ -578,7 +700,7 @@ def curves(doc: dict, key: str = "shared_prefix") -> dict[str, list[report.Point
     out = {}
     for name, res in doc["configs"].items():
         pts = [report.Point(s["rate"], s["request_throughput"] or 0.0, s["ttft_s"]["p50"] or 0.0,
-                            s["ttft_s"]["p90"] or 0.0, s["ttft_s"]["p99"] or 0.0, s["errors"])
+                            s["ttft_s"]["p90"] or 0.0, s["ttft_s"]["p99"] or 0.0, s["errors"], s.get("offered_rate"))
                for s in res.get(key, []) if s.get("ok")]
         if pts:
             out[name] = pts
@@ -647,13 +769,14 @@ def write(doc: dict, path: Path) -> None:
 
 def print_table(doc: dict) -> None:
     print(f"\nmachine: {doc['machine']}  load avg start {doc['load_avg'].get('start')} end {doc['load_avg'].get('end')}")
-    print(f"{'config':14s} {'rate':>5s} {'ok':>7s} {'req/s':>6s} {'tok/s':>6s} {'p50':>6s} {'p90':>6s} {'p99':>6s} "
-          f"{'tpot':>6s} {'good':>6s} {'hit/or':>6s}  routes")
+    print(f"{'config':14s} {'rate':>5s} {'offer':>5s} {'ok':>7s} {'req/s':>6s} {'tok/s':>6s} {'p50':>6s} {'p90':>6s} "
+          f"{'p99':>6s} {'tpot':>6s} {'good':>6s} {'hit/or':>6s}  routes")
     for name, res in doc["configs"].items():
         series = [("", x) for x in res.get("shared_prefix", [])] + [("hot ", x) for x in res.get("hot_prefix", [])]
         for key, s in series:
             t = s["ttft_s"]
-            print(f"{key + name:14s} {s['rate']:5.2f} {s['ok']:3d}/{s['requests']:<3d} {s['request_throughput'] or 0:6.2f} "
+            print(f"{key + name:14s} {s['rate']:5.2f} {_f(s.get('offered_rate')):>5s} {s['ok']:3d}/{s['requests']:<3d} "
+                  f"{s['request_throughput'] or 0:6.2f} "
                   f"{s['output_token_throughput'] or 0:6.1f} {_f(t['p50']):>6s} {_f(t['p90']):>6s} {_f(t['p99']):>6s} "
                   f"{_f(s['tpot_s']['p50']):>6s} {s['goodput'] or 0:6.2f} {_f(s['hit']['vs_oracle']):>6s}  "
                   f"{s.get('kvmesh_metrics', {}).get('routes', {})}")

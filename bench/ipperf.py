@@ -104,13 +104,18 @@ def _report(out_dir: Path, name: str):
     return json.loads(hits[0].read_text()) if hits else None
 
 
+def load_summaries(out_dir: Path, n_stages: int) -> list[dict]:
+    """Per stage, inference-perf's ``load_summary`` ({} where missing): ``count``, ``send_duration``
+    and ``achieved_rate``. Its Poisson timer draws each second's arrivals until the stage's
+    ``rate x duration`` requests are out, so a stage's sends span a random time (seen: 70 to 128 s
+    for a 90-s stage at 0.4 req/s): the offered rate a stage really had is ``achieved_rate``."""
+    return [((_report(out_dir, f"stage_{k}_lifecycle_metrics") or {}).get("load_summary") or {})
+            for k in range(n_stages)]
+
+
 def stage_counts(out_dir: Path, n_stages: int) -> list[int]:
     """Requests per stage from inference-perf's per-stage reports."""
-    counts = []
-    for k in range(n_stages):
-        rep = _report(out_dir, f"stage_{k}_lifecycle_metrics")
-        counts.append(int(((rep or {}).get("load_summary") or {}).get("count") or 0))
-    return counts
+    return [int(s.get("count") or 0) for s in load_summaries(out_dir, n_stages)]
 
 
 def _prompt_of(entry: dict) -> str:
@@ -126,11 +131,12 @@ def _prompt_of(entry: dict) -> str:
     return ""
 
 
-def results(out_dir: Path, n_stages: int) -> tuple[list[list[Result]], list[list[str]]]:
-    """Per stage: the requests as ``Result``s (in start order) and their prompts."""
+def results(out_dir: Path, n_stages: int, relative: bool = True) -> tuple[list[list[Result]], list[list[str]]]:
+    """Per stage: the requests as ``Result``s (in start order) and their prompts. ``sent_s`` is
+    the offset from the first request, or (``relative`` False) the wall-clock (epoch) start."""
     entries = _report(out_dir, "per_request_lifecycle_metrics") or []
     entries = sorted(entries, key=lambda e: e.get("start_time", 0.0))
-    t0 = entries[0]["start_time"] if entries else 0.0
+    t0 = entries[0]["start_time"] if entries and relative else 0.0
     rows: list[tuple[Result, str]] = []
     for i, e in enumerate(entries):
         info = e.get("info") or {}

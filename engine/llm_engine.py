@@ -203,9 +203,10 @@ class LLMEngine:
         if request.params.prompt_logprobs is not None:
             seq.prompt_lp = [None] * seq.num_prompt
         self.seqs[request.request_id] = seq
-        self.scheduler.add(seq)
         if self.trace.on:
-            self.trace.write({"ev": "add", "t": time.time(), "tenant": request.tenant})
+            self.trace.add(request.request_id, request.tenant, seq.num_prompt, len(self.scheduler.running),
+                           len(self.scheduler.waiting))
+        self.scheduler.add(seq)
 
     def abort(self, request_id: str, index: int | None = None) -> RequestOutput | None:
         """Abort a request (every choice), or only its choice ``index``; releases their blocks.
@@ -241,6 +242,7 @@ class LLMEngine:
         group.num_finished = group.n
         first = group.choices[0]
         self.seqs.pop(first.request_id, None)
+        self.trace.forget(first.request_id)
         return self._output(last or first, [], "", error=error)
 
     def has_unfinished(self) -> bool:
@@ -581,6 +583,8 @@ class LLMEngine:
         if seq.first_token_at is None:
             seq.first_token_at = now
             if seq.index == 0:
+                if self.trace.on:
+                    self.trace.first(seq.request_id, seq.num_cached, seq.prefill_s)
                 m = self.tenant_metrics.setdefault(seq.request.tenant, TenantMetrics())
                 m.requests += 1
                 m.prompt_tokens += seq.num_prompt

@@ -2,16 +2,22 @@
 
 Off unless ``KVMESH_STEP_TRACE_DIR`` names a directory when the engine is built; then every
 engine appends JSON lines to ``<dir>/steps-<pid>.jsonl``: one per added request
-(``{"ev": "add", "t", "tenant"}``) and one per step (``{"ev": "step", "t", "dt", "tok": {tenant:
-tokens}, "rows": {tenant: rows}, "interrupted", "waiting": {tenant: count}}``; ``t`` is wall-clock
-seconds at the start, ``dt`` the forward's seconds). Tenant names only, never tokens or prompts.
-The file is line-buffered and bounded by ``max_lines`` (later lines are dropped).
+(``{"ev": "add", "t", "tenant", "n", "prompt", "running", "waiting"}``: ``n`` numbers the
+engine's requests, ``prompt`` is its length, ``running``/``waiting`` what the scheduler held
+before it), one per request's first token (``{"ev": "first", "t", "n", "cached", "prefill_s"}``:
+engine-side TTFT = its ``t`` minus the add's) and one per step (``{"ev": "step", "t", "dt", "tok":
+{tenant: tokens}, "rows": {tenant: rows}, "interrupted", "waiting": {tenant: count}}``; ``t`` is
+wall-clock seconds at the start, ``dt`` the forward's seconds). Tenant names and counts only, never
+tokens, prompts or request ids. The file is line-buffered and bounded by ``max_lines`` (later lines
+are dropped).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import time
 from pathlib import Path
 
 ENV = "KVMESH_STEP_TRACE_DIR"
@@ -25,10 +31,28 @@ class StepTrace:
         if directory:
             Path(directory).mkdir(parents=True, exist_ok=True)
             self._f = open(Path(directory) / f"steps-{os.getpid()}.jsonl", "a", buffering=1)
+        self._ids: dict[str, int] = {}  # request id -> its number, until its first token
+        self._count = itertools.count()
 
     @property
     def on(self) -> bool:
         return self._f is not None
+
+    def add(self, request_id: str, tenant: str, prompt: int, running: int, waiting: int) -> None:
+        if self._f is None:
+            return
+        n = self._ids[request_id] = next(self._count)
+        self.write({"ev": "add", "t": time.time(), "tenant": tenant, "n": n, "prompt": prompt, "running": running,
+                    "waiting": waiting})
+
+    def first(self, request_id: str, cached: int, prefill_s: float) -> None:
+        n = self._ids.pop(request_id, None)
+        if n is not None:
+            self.write({"ev": "first", "t": time.time(), "n": n, "cached": cached, "prefill_s": round(prefill_s, 4)})
+
+    def forget(self, request_id: str) -> None:
+        """A request that ends without a first token (aborted, failed)."""
+        self._ids.pop(request_id, None)
 
     def write(self, rec: dict) -> None:
         if self._f is None or self._left <= 0:

@@ -119,6 +119,14 @@ def test_summary_has_the_contract_keys_and_p90_at_the_highest_common_sustained_r
     assert set(t) == {"hit_tokens_vs_oracle", "kvmesh_vs_affinity", "kvmesh_vs_pow2", "ttft_p90_affinity_over_kvmesh"}
 
 
+def test_a_stage_is_sustained_against_the_rate_really_offered():
+    """inference-perf's Poisson stages send over a random span: a stage that really got 0.28 req/s
+    of a nominal 0.4 and completed 0.26 kept up; one that got 0.51 and completed 0.40 did not."""
+    assert report.Point(0.4, 0.26, 1.0, 2.0, 3.0, offered=0.28).sustained
+    assert not report.Point(0.4, 0.26, 1.0, 2.0, 3.0).sustained  # against the nominal rate
+    assert not report.Point(0.4, 0.40, 1.0, 2.0, 3.0, offered=0.51).sustained
+
+
 def test_prometheus_parsing_and_decision_deltas():
     from bench.cluster import decisions, metrics_delta, parse_prometheus
 
@@ -143,6 +151,11 @@ def test_inference_perf_reports_become_results_with_usage_and_prompts(tmp_path):
     (rs,), (ps,) = ipperf.results(tmp_path, 1)
     assert ps == ["p0", "p1", "p2"] and [r.cached_tokens for r in rs] == [0, 64, 128]
     assert [r.sent_s for r in rs] == [0.0, 1.0, 2.0] and rs[2].ttft_s == pytest.approx(0.3) and all(r.ok for r in rs)
+    # two stages (one run of the steady sweep), wall-clock start times kept
+    (tmp_path / "stage_0_lifecycle_metrics.json").write_text(json.dumps({"load_summary": {"count": 1}}))
+    (tmp_path / "stage_1_lifecycle_metrics.json").write_text(json.dumps({"load_summary": {"count": 2}}))
+    (r0, r1), (p0, p1) = ipperf.results(tmp_path, 2, relative=False)
+    assert (p0, p1) == (["p0"], ["p1", "p2"]) and [r.sent_s for r in r0 + r1] == [10.0, 11.0, 12.0]
 
 
 def test_inference_perf_config_uses_its_shared_prefix_generator_and_a_poisson_sweep(tmp_path):
@@ -246,3 +259,38 @@ def test_kvmesh_args_are_parsed_as_yaml_values():
     a = parse_args(["--kvmesh-args", "router_learn_decode=false,max_num_seqs=8"])
     assert a.kvmesh_args == {"router_learn_decode": False, "max_num_seqs": 8}
     assert parse_args([]).kvmesh_args == {}
+
+
+def test_sampler_cuts_a_run_at_wall_clock_times():
+    """bench/cluster.Sampler.at: the first sample at or after a time, else the last."""
+    from bench.cluster import Sampler
+
+    s = Sampler.__new__(Sampler)
+    s.samples = [(1.0, {"worker": 0.0}, {}), (6.0, {"worker": 2.0}, {}), (11.0, {"worker": 5.0}, {})]
+    assert s.at(0.5)[0] == 1.0 and s.at(6.0)[0] == 6.0 and s.at(6.1)[0] == 11.0 and s.at(99.0)[0] == 11.0
+
+
+def test_step_traces_tell_where_a_request_waited(tmp_path):
+    """bench/steps.py over two engines' traces: engine-side TTFT (add -> first token), requests that
+    arrived at a busy engine while the other was idle, and the window's bounds."""
+    from bench import steps
+
+    a = [{"ev": "add", "t": 10.0, "n": 0, "running": 0, "waiting": 0},
+         {"ev": "step", "t": 10.0, "dt": 2.0, "tok": {"b": 512}, "rows": {"b": 1}},
+         {"ev": "first", "t": 12.0, "n": 0},
+         {"ev": "add", "t": 12.5, "n": 1, "running": 1, "waiting": 0},  # arrives while n=0 decodes
+         {"ev": "step", "t": 12.1, "dt": 0.5, "tok": {"b": 1}, "rows": {"b": 1}},
+         {"ev": "step", "t": 12.6, "dt": 2.4, "tok": {"b": 513}, "rows": {"b": 2}},
+         {"ev": "first", "t": 15.0, "n": 1},
+         {"ev": "add", "t": 30.0, "n": 2, "running": 0, "waiting": 0}]  # outside the window
+    b = [{"ev": "add", "t": 20.0, "n": 0, "running": 0, "waiting": 0},
+         {"ev": "step", "t": 20.0, "dt": 1.0, "tok": {"b": 256}, "rows": {"b": 1}},
+         {"ev": "first", "t": 21.0, "n": 0}]
+    for name, recs in (("w1-steps-1", a), ("w2-steps-2", b)):
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\nnot json\n")
+    s = steps.summarize(steps.read(sorted(tmp_path.glob("*.jsonl"))), 0.0, 25.0)
+    assert s["requests"] == 3 and s["per_engine"] == {"w1-steps-1": 2, "w2-steps-2": 1}
+    assert s["engine_ttft_s"] == {"p50": 2.0, "p90": 2.5}
+    assert s["busy_at_add"] == pytest.approx(1 / 3) and s["idle_elsewhere_at_add"] == pytest.approx(1 / 3)
+    assert s["prefill_tok_s"] == pytest.approx((511 + 511 + 255) / 5.4)
+    assert s["decode_step_s"] == pytest.approx(0.5)

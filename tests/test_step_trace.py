@@ -18,9 +18,27 @@ def test_trace_off_by_default_and_on_with_a_directory(tiny_model, tmp_path, monk
     while eng.has_unfinished():
         eng.step()
     lines = [json.loads(x) for f in (tmp_path / "t").glob("steps-*.jsonl") for x in f.read_text().splitlines()]
-    assert [r["ev"] for r in lines] == ["add", "step", "step"]
-    assert lines[0]["tenant"] == "acme"
-    assert [r["tok"] for r in lines[1:]] == [{"acme": 4}, {"acme": 1}]
-    assert all(r["interrupted"] is False and r["dt"] >= 0 for r in lines[1:])
-    # no token ids: only these fields, with tenant names and counts
-    assert {k for r in lines for k in r} <= {"ev", "t", "tenant", "dt", "tok", "rows", "interrupted", "waiting"}
+    assert [r["ev"] for r in lines] == ["add", "step", "first", "step"]
+    add, first = lines[0], lines[2]
+    assert (add["tenant"], add["n"], add["prompt"], add["running"], add["waiting"]) == ("acme", 0, 4, 0, 0)
+    # the first token's line names the same request by its number: engine-side TTFT = t - add's t
+    assert first["n"] == 0 and first["cached"] == 0 and first["t"] >= add["t"] and first["prefill_s"] >= 0
+    steps = [r for r in lines if r["ev"] == "step"]
+    assert [r["tok"] for r in steps] == [{"acme": 4}, {"acme": 1}]
+    assert all(r["interrupted"] is False and r["dt"] >= 0 for r in steps)
+    # a second request added while the first is still decoding sees it running; one aborted
+    # before its first token leaves no number behind
+    eng.add_request(Request("r2", (5, 6, 7, 8, 9), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                            tenant="acme"))
+    eng.step()
+    eng.add_request(Request("r3", (1, 2), SamplingParams(max_tokens=2), tenant="acme"))
+    eng.abort("r3")
+    assert eng.trace._ids == {}
+    while eng.has_unfinished():
+        eng.step()
+    lines = [json.loads(x) for f in (tmp_path / "t").glob("steps-*.jsonl") for x in f.read_text().splitlines()]
+    adds = [r for r in lines if r["ev"] == "add"]
+    assert [(r["n"], r["running"]) for r in adds] == [(0, 0), (1, 0), (2, 1)]
+    # no token ids or request ids: only these fields, with tenant names and counts
+    assert {k for r in lines for k in r} <= {"ev", "t", "tenant", "dt", "tok", "rows", "interrupted", "waiting",
+                                              "n", "prompt", "running", "cached", "prefill_s"}
