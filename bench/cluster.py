@@ -670,15 +670,18 @@ def shared_prefix_steady(cl: Cluster, name: str, args, exe, mdir, tok, rates: li
     items = [[workloads.WorkItem(tokenize(tok, p) or (0,), 1, 0.0, setup.BENCH_TENANT, setup.BENCH_TENANT)
               for p in ps] for ps in prompts]
     oracle = workloads.oracle_hits([w for ws in items for w in ws])
+    # inference-perf stamps requests with time.perf_counter() (CLOCK_MONOTONIC: one clock for every
+    # process here); the sampler and the engines' step traces use wall-clock time
+    to_wall = time.time() - time.perf_counter()
     out, k = [], 0
     for i, (results, rate) in enumerate(zip(per_stage, stage_rates)):
         stage_oracle, k = oracle[k:k + len(results)], k + len(results)
         if not results:
             out.append({"rate": rate, "requests": 0, "ok": 0, "warmup": i == 0})
             continue
-        t0 = min(r.sent_s for r in results)
-        t1 = max(r.sent_s + (r.latency_s or 0) for r in results)
-        s = summarize([dataclasses.replace(r, sent_s=r.sent_s - t0) for r in results], args.ttft_slo,
+        t0 = min(r.sent_s for r in results) + to_wall
+        t1 = max(r.sent_s + (r.latency_s or 0) for r in results) + to_wall
+        s = summarize([dataclasses.replace(r, sent_s=r.sent_s + to_wall - t0) for r in results], args.ttft_slo,
                       wall_s=t1 - t0)
         (_, c0, m0), (_, c1, m1) = sampler.at(t0), sampler.at(t1)
         s.update(rate=rate, offered_rate=loads[i].get("achieved_rate"), warmup=i == 0, inference_perf_rc=rc, run_s=round(t1 - t0, 1), wall_clock=[t0, t1],

@@ -133,7 +133,8 @@ def _prompt_of(entry: dict) -> str:
 
 def results(out_dir: Path, n_stages: int, relative: bool = True) -> tuple[list[list[Result]], list[list[str]]]:
     """Per stage: the requests as ``Result``s (in start order) and their prompts. ``sent_s`` is
-    the offset from the first request, or (``relative`` False) the wall-clock (epoch) start."""
+    the offset from the first request, or (``relative`` False) inference-perf's own stamp
+    (``time.perf_counter()`` of its process: CLOCK_MONOTONIC on Linux)."""
     entries = _report(out_dir, "per_request_lifecycle_metrics") or []
     entries = sorted(entries, key=lambda e: e.get("start_time", 0.0))
     t0 = entries[0]["start_time"] if entries and relative else 0.0

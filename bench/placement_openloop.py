@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 from bench.cluster_report import Point, equal_p99_ratio  # noqa: E402
 from bench.loadgen import percentile  # noqa: E402
 from bench.placement_sim import _Affinity, baseline_route  # noqa: E402
-from bench.workloads import WorkItem, oracle_hits, shared_prefix  # noqa: E402
+from bench.workloads import Oracle, WorkItem, shared_prefix  # noqa: E402
 from engine.block_pool import BlockPool, extra_key, hash_blocks, prompt_chains  # noqa: E402
 from policies.placement import Placer, PlacementConfig  # noqa: E402
 from policies.routing import CostConfig, CostModel, WorkerLoad  # noqa: E402
@@ -78,6 +78,7 @@ class OpenConfig:
     slow_workers: int = 1
     rtt_s: float = 1e-3
     seed: int = 0
+    speed_jitter: float = 0.0  # worker k's steps take (1 + u_k) x as long, u_k uniform in [-jitter, +jitter]
 
 
 @dataclass(frozen=True)
@@ -85,13 +86,29 @@ class Stage:
     rate: float
     items: tuple[WorkItem, ...]  # arrival times relative to the stage's start
     stage_s: float = 45.0
+    warmup: bool = False  # not scored (``aggregate`` skips it)
 
 
 def stages(rates: Sequence[float] = (0.4, 0.7, 1.0, 1.3), stage_s: float = 45.0, groups: int = 12, users: int = 5,
            system_len: int = 512, question_len: int = 40, output_len: int = 16, seed: int = 0,
-           hot: bool = False) -> list[Stage]:
+           hot: bool = False, steady: bool = False) -> list[Stage]:
     """One stage per rate, fresh groups each (``hot``: one group, users enough that no prompt
-    repeats, as the bench's hot-prefix variant); Poisson arrivals over ``stage_s``."""
+    repeats, as the bench's hot-prefix variant); Poisson arrivals over ``stage_s``. ``steady``:
+    the bench's ``--sweep steady``: one set of groups walked through a warm-up stage at the first
+    rate and then every rate (users enough that no prompt repeats)."""
+    if steady:
+        rates = [rates[0], *rates]
+        n_users = int(sum(rates) * stage_s * 1.3 / (1 if hot else groups)) + 4
+        pool = iter(shared_prefix(1 if hot else groups, n_users, system_len, question_len, output_len,
+                                  seed=seed * 7919 + 3000))
+        out = []
+        for k, rate in enumerate(rates):
+            rng = random.Random(seed * 7919 + k)
+            t, items = 0.0, []
+            while (t := t + rng.expovariate(rate)) <= stage_s:
+                items.append(replace(next(pool), at_s=t))
+            out.append(Stage(rate, tuple(items), stage_s, warmup=k == 0))
+        return out
     out = []
     for k, rate in enumerate(rates):
         rng = random.Random(seed * 7919 + k)
@@ -175,6 +192,8 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
     wids = [f"w{i}" for i in range(cfg.workers)]
     slow = set(wids[cfg.workers - cfg.slow_workers:]) if cfg.slow_workers else set()
     workers = {w: _Worker(w, cfg, cfg.slow_Bps if w in slow else cfg.fast_Bps) for w in wids}
+    jitter = random.Random(cfg.seed * 31 + 7)  # hosts are not equally fast (a real cluster's never are)
+    slowness = {w: 1.0 + jitter.uniform(-cfg.speed_jitter, cfg.speed_jitter) for w in wids}
     cm = CostModel(CostConfig(block_size=bs, bytes_per_token=cfg.bytes_per_token, decode_step_s=decode_step_s,
                               learn_decode=learn_decode))
     for w in wids:
@@ -277,7 +296,7 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
         if not rows and not chunks:
             return
         tokens = sum(n for _, n in chunks)
-        dt = cfg.step_s + cfg.token_s * tokens + cfg.row_s * len(rows)
+        dt = (cfg.step_s + cfg.token_s * tokens + cfg.row_s * len(rows)) * slowness[w.wid]
         w.busy = True
         push(now + dt, "step", (w, rows, chunks, dt))
 
@@ -319,6 +338,7 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
         step(w)
 
     per_stage, all_reqs = [], []
+    oracle = Oracle(bs)  # one infinite cache over the whole run (a group warmed earlier is a hit)
     t0 = 0.0
     rid = itertools.count()
     for st in run:
@@ -350,25 +370,27 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
             else:
                 end_step(*payload)
         drained = max((r.done_at for r in reqs), default=t0)
-        per_stage.append(_stage_figures(st, reqs, t0, drained, bs))
+        per_stage.append(_stage_figures(st, reqs, t0, drained, oracle))
         all_reqs += reqs
         t0 = drained + 1.0
     evictions = {w: sum(s.evictions for s in workers[w].pool.stats.values()) for w in wids}
-    hits = sum(s["hit_tokens"] for s in per_stage)
-    oracle = sum(s["oracle_hit_tokens"] for s in per_stage)
+    scored = [s for s in per_stage if not s["warmup"]]
+    hits = sum(s["hit_tokens"] for s in scored)
+    best = sum(s["oracle_hit_tokens"] for s in scored)
     reuse = getattr(getattr(placer, "reuse", None), "p", None) if router == "kvmesh" else None
-    return {"router": router, "stages": per_stage, "hit_tokens": hits, "oracle_hit_tokens": oracle,
-            "hit_vs_oracle": hits / oracle if oracle else 1.0, "evictions": evictions,
+    return {"router": router, "stages": per_stage, "hit_tokens": hits, "oracle_hit_tokens": best,
+            "hit_vs_oracle": hits / best if best else 1.0, "evictions": evictions,
             "decisions": dict(counts), "reuse_p_end": reuse}
 
 
-def _stage_figures(st: Stage, reqs: list[_Req], t0: float, drained: float, bs: int) -> dict:
+def _stage_figures(st: Stage, reqs: list[_Req], t0: float, drained: float, oracle: Oracle) -> dict:
     ttft = [r.first_at - r.arrival for r in reqs]
-    oracle = sum(oracle_hits([r.item for r in reqs], bs))
+    best = sum(oracle.observe(r.item) for r in reqs)
     hits = sum(r.hit for r in reqs)
-    return {"rate": st.rate, "requests": len(reqs), "throughput": len(reqs) / max(drained - t0, st.stage_s),
+    return {"rate": st.rate, "warmup": st.warmup, "requests": len(reqs),
+            "throughput": len(reqs) / max(drained - t0, st.stage_s),
             "ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90), "ttft_p99": percentile(ttft, 99),
-            "hit_tokens": hits, "oracle_hit_tokens": oracle,
+            "hit_tokens": hits, "oracle_hit_tokens": best,
             "per_worker": dict(sorted(Counter(r.worker for r in reqs).items()))}
 
 
@@ -394,10 +416,12 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "measured+elsewhere decode=0.25": ({"reuse_prob": None}, 0.25, "new"),
     "p=1+elsewhere decode=0.5": ({"reuse_prob": 1.0}, 0.5, "new"),
     "measured+elsewhere decode=0.5": ({"reuse_prob": None}, 0.5, "new"),
+    "any group spills": ({"spill_group_share": 0.0}, 0.0, "new"),  # the rule before session 9
 }
 
 
-def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _cache: dict = {}) -> list[dict]:
+def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _cache: dict = {},
+                steady: bool = False, rates: Sequence[float] | None = None) -> list[dict]:
     """``name``: a router, a ``VARIANTS`` key, or either with ``+learn`` (the decode term learned)."""
     base, learn = (name[: -len("+learn")], True) if name.endswith("+learn") else (name, False)
     fields, decode_s, kind = VARIANTS[base] if base in VARIANTS else ({}, 0.0, "new")
@@ -408,7 +432,8 @@ def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _ca
     legacy_cfg = sys.modules[placer_cls.__module__].PlacementConfig if kind == "legacy" else PlacementConfig
     rows = []
     for seed in seeds:
-        res = simulate(stages(seed=seed, hot=hot), router, replace(cfg, seed=seed), legacy_cfg(**fields),
+        run = stages(rates or (0.4, 0.7, 1.0, 1.3), seed=seed, hot=hot, steady=steady)
+        res = simulate(run, router, replace(cfg, seed=seed), legacy_cfg(**fields),
                        decode_s, placer_cls, learn_decode=learn)
         rows.append({"seed": seed, **res})
     return rows
@@ -440,17 +465,18 @@ def run_closed(name: str, seeds: Sequence[int], _cache: dict = {}) -> dict:
 
 def aggregate(rows: list[dict]) -> dict:
     """Per rate: the mean over seeds of each stage figure; the curve's equal-p99 inputs."""
-    rates = sorted({s["rate"] for r in rows for s in r["stages"]})
+    rates = sorted({s["rate"] for r in rows for s in r["stages"] if not s["warmup"]})
     out = {}
     for rate in rates:
-        ss = [s for r in rows for s in r["stages"] if s["rate"] == rate]
+        ss = [s for r in rows for s in r["stages"] if s["rate"] == rate and not s["warmup"]]
         out[str(rate)] = {k: sum(s[k] for s in ss) / len(ss)
                           for k in ("throughput", "ttft_p50", "ttft_p90", "ttft_p99")}
         hits, oracle = sum(s["hit_tokens"] for s in ss), sum(s["oracle_hit_tokens"] for s in ss)
         out[str(rate)]["hit_vs_oracle"] = hits / oracle if oracle else 1.0
     hits, oracle = sum(r["hit_tokens"] for r in rows), sum(r["oracle_hit_tokens"] for r in rows)
     per_seed = {str(r["seed"]): {str(s["rate"]): [round(s[k], 4) for k in ("throughput", "ttft_p50", "ttft_p90",
-                                                                          "ttft_p99")] for s in r["stages"]}
+                                                                          "ttft_p99")]
+                                 for s in r["stages"] if not s["warmup"]}
                 for r in rows}
     return {"per_rate": out, "hit_vs_oracle": hits / oracle if oracle else 1.0,
             "reuse_p_end": [r["reuse_p_end"] for r in rows], "seeds": len(rows),
@@ -481,8 +507,10 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default=",".join([*ROUTERS[1:], *VARIANTS]),
                     help=f"comma list of {list(VARIANTS)} and baseline routers {ROUTERS[1:]}")
     ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--workload", choices=("shared", "hot", "closed"), default="shared",
-                    help="shared: the cluster bench's stages; hot: one group; closed: placement_sim's defaults")
+    ap.add_argument("--workload", choices=("shared", "hot", "closed", "steady"), default="shared",
+                    help="shared: the cluster bench's stages; hot: one group; closed: placement_sim's defaults; "
+                         "steady: the bench's --sweep steady (one set of groups through a warm-up and every rate)")
+    ap.add_argument("--rates", default=None, help="offered rates (req/s), comma separated")
     ap.add_argument("--json", default=str(ROOT / "bench/results/placement_sim_tradeoff.json"),
                     help="merge the aggregated rows into this file (by workload and variant)")
     a = ap.parse_args(argv)
@@ -500,7 +528,9 @@ def main(argv=None) -> None:
             print(f"closed {name:32s} hit {agg['hit_vs_oracle']:.3f} (min {agg['hit_vs_oracle_min']:.3f}) "
                   f"ttft p90 {agg['ttft_p90_s']:.3f} s", flush=True)
             continue
-        agg = aggregate(run_variant(name, range(a.seeds), a.workload == "hot", cfg))
+        rates = [float(x) for x in a.rates.split(",")] if a.rates else None
+        agg = aggregate(run_variant(name, range(a.seeds), a.workload == "hot", cfg, steady=a.workload == "steady",
+                                    rates=rates))
         res[name] = agg
         pr = agg["per_rate"]
         print(f"{a.workload:6s} {name:32s} hit {agg['hit_vs_oracle']:.3f}  " + "  ".join(

@@ -208,6 +208,51 @@ def test_a_hot_group_under_load_spills_to_a_second_worker_by_pull_or_recompute()
     assert hot.worker == other and hot.kind == "spill" and hot.candidate.kind in ("pulled", "recomputed")
 
 
+def test_a_holder_serving_several_groups_keeps_them_and_spills_only_its_dominant_one():
+    """A copy of one group of several does not relieve their holder (the others stay), it only
+    takes cache space elsewhere: with every group's prefixes filling 3/4 of the cluster, such
+    copies evicted warm groups (placement_openloop --workload steady). A group that made most of
+    the holder's recent requests (a hot prefix) still spills."""
+    workers = ["w0", "w1"]
+    cm, placer = _cost_model(workers), Placer()
+    items = shared_prefix(groups=3, users=4, seed=11, shuffle=False)
+    by_group: dict[str, list] = {}
+    for it in items:
+        by_group.setdefault(it.group, []).append(it)
+    a, b, c = by_group.values()
+    for it in (a[0], b[0], c[0]):  # three groups on one worker (the other is made unattractive)
+        cm.observe_load("w1", WorkerLoad(waiting_tokens=(4000,)))
+        assert _route(placer, cm, it, workers, {}, {}, now=0.0).worker == "w0"
+    cm.observe_load("w1", WorkerLoad())
+    idx = {"w0": 592}
+    cm.observe_load("w0", WorkerLoad(waiting_tokens=(640,) * 4))  # the holder is clearly slower now
+    assert placer.group_share("w0", _key(a[1])) == pytest.approx(1 / 3)
+    p = _route(placer, cm, a[1], workers, idx, {"w0": 2560.0}, now=1.0)
+    assert (p.worker, p.kind) == ("w0", "match")  # one group of three: it stays
+    # the same queue, but the holder's recent requests are all of group a: it spills
+    for it in a[2:]:
+        placer.recent["w0"].extend([_key(it)] * 8)
+    assert placer.group_share("w0", _key(a[2])) == 1.0
+    p = _route(placer, cm, a[2], workers, idx, {"w0": 2560.0}, now=2.0)
+    assert (p.worker, p.kind) == ("w1", "spill")
+    # spill_group_share 0: any group may spill (the rule before)
+    old = Placer(PlacementConfig(spill_group_share=0.0))
+    for it in (a[0], b[0], c[0]):
+        cm.observe_load("w0", WorkerLoad())
+        cm.observe_load("w1", WorkerLoad(waiting_tokens=(4000,)))
+        _route(old, cm, it, workers, {}, {}, now=0.0)
+    cm.observe_load("w1", WorkerLoad())
+    cm.observe_load("w0", WorkerLoad(waiting_tokens=(640,) * 4))
+    assert _route(old, cm, a[1], workers, idx, {"w0": 2560.0}, now=1.0).kind == "spill"
+
+
+def _key(item):
+    from policies.placement import leading_key
+
+    chain = prompt_chains(item.prompt_ids, BS, "m", [item.domain])[item.domain]
+    return leading_key(chain, item.prompt_ids, PlacementConfig().key_blocks)
+
+
 def test_cost_model_counts_pending_as_local_never_as_a_pull_source():
     cm = _cost_model(["A", "B"])
     only_pending = cm.rank(640, {}, ["A", "B"], {"A": 592})
