@@ -12,10 +12,12 @@
    (``pow2``, ``affinity``, ``kvmesh``, ``kvmesh+approx``): ``serve deploy`` of its shipped Serve
    config with this run's edits (``bench.cluster_setup``) from the head (``ray exec``), wait until
    it serves, warm up, then drive (a) the shared-prefix workload with inference-perf
-   (``bench.ipperf``, a separate process per offered rate: Poisson arrivals, its
-   ``shared_prefix`` generator, a fresh seed per rate so no prompt repeats), then its hot-prefix
-   variant at ``--hot-rates`` (one group: one system prompt shared by every user, as one
-   application sends it; ``summary.hot_prefix``), (b) multi-turn chat,
+   (``bench.ipperf``: Poisson arrivals, its ``shared_prefix`` generator; ``--sweep steady``, the
+   default: ONE run whose stages are a warm-up and the offered rates, over one set of groups, as
+   inference-perf sweeps and as an application's system prompts stay in use; ``--sweep fresh``:
+   a separate run per rate with new groups each, so every stage starts cold; no prompt repeats
+   in either), then its hot-prefix variant at ``--hot-rates`` (one group: one system prompt
+   shared by every user, as one application sends it; ``summary.hot_prefix``), (b) multi-turn chat,
    the multi-tenant mix (with the template tenant) and the Mooncake-format trace with kvmesh's
    own generator (``bench.loadgen``); ``/metrics`` and ``/kvmesh/workers`` are read after each
    step; then ``serve shutdown``. 4. ``ray down``; every host, namespace and link is removed.
@@ -42,6 +44,7 @@ import random
 import re
 import signal
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -321,7 +324,7 @@ def parse_args(argv=None):
     ap.add_argument("--kvmesh-args", default="",
                     help="extra app arguments of the kvmesh configurations, key=value comma separated (values "
                          "parsed as YAML), e.g. router_learn_decode=false")
-    ap.add_argument("--sweep", choices=("fresh", "steady"), default="fresh",
+    ap.add_argument("--sweep", choices=("fresh", "steady"), default="steady",
                     help="fresh: one inference-perf run per rate, each with new groups (every stage starts cold); "
                          "steady: one inference-perf run over all rates (after a warm-up stage) and one set of "
                          "groups, as inference-perf sweeps: system prompts stay in use across stages")
@@ -587,20 +590,36 @@ def shared_prefix_rate(cl: Cluster, name: str, args, exe, mdir, tok, k: int, rat
     rc = ipperf.run(exe, d / "inference-perf.yaml", d / "inference-perf.log", timeout_s=args.stage_s * 6 + 300)
     cpu1 = cpu_by_component(cl)
     (results,), (prompts,) = ipperf.results(d / "reports", 1)
-    items = [workloads.WorkItem(tokenize(tok, p) or (0,), 1, 0.0, setup.BENCH_TENANT, setup.BENCH_TENANT)
-             for p in prompts]
-    oracle = workloads.oracle_hits(items)
+    oracle = workloads.oracle_hits(prompt_items(tok, prompts))
     wall = (max((r.sent_s + (r.latency_s or 0) for r in results), default=0.0)) if results else 0.0
-    s = summarize(results, args.ttft_slo, wall_s=wall or None)
-    s.update(rate=rate, offered_rate=ipperf.load_summaries(d / "reports", 1)[0].get("achieved_rate"),
-             inference_perf_rc=rc, run_s=round(time.monotonic() - t0, 1), wall_clock=[wall0, time.time()],
-             hit=hit_ratio(results, oracle),
-             load_avg=load_avg(), errors_sample=[r.error for r in results if r.error][:3],
-             cpu=cpu_delta(cpu0, cpu1, s["ok"]))
-    log(f"{name} @ {rate:g}/s: {s['ok']}/{s['requests']} ok, {s['request_throughput'] or 0:.2f} req/s, TTFT p50/p90/p99 "
-        f"{_f(s['ttft_s']['p50'])}/{_f(s['ttft_s']['p90'])}/{_f(s['ttft_s']['p99'])} s, hit/oracle {_f(s['hit']['vs_oracle'])}, "
-        f"CPU s/request {s['cpu']['cpu_s_per_request']}")
+    s = stage_figures(results, oracle, rate, ipperf.load_summaries(d / "reports", 1)[0], args, wall,
+                      inference_perf_rc=rc, run_s=round(time.monotonic() - t0, 1), wall_clock=[wall0, time.time()])
+    s["cpu"] = cpu_delta(cpu0, cpu1, s["ok"])
+    log_stage(log, name, s, f", CPU s/request {s['cpu']['cpu_s_per_request']}")
     return s
+
+
+def prompt_items(tok, prompts: list[str]) -> list[workloads.WorkItem]:
+    """inference-perf's prompts as the server tokenizes them (for the oracle)."""
+    return [workloads.WorkItem(tokenize(tok, p) or (0,), 1, 0.0, setup.BENCH_TENANT, setup.BENCH_TENANT)
+            for p in prompts]
+
+
+def stage_figures(results: list[Result], oracle: list[int], rate: float, load_summary: dict, args, wall_s: float,
+                  **extra) -> dict:
+    """One stage's figures: ``loadgen.summarize`` over its own span ``wall_s`` (first send to last
+    completion), the rate inference-perf really offered, hit tokens against ``oracle``."""
+    s = summarize(results, args.ttft_slo, wall_s=wall_s or None)
+    s.update(rate=rate, offered_rate=load_summary.get("achieved_rate"), hit=hit_ratio(results, oracle),
+             load_avg=load_avg(), errors_sample=[r.error for r in results if r.error][:3], **extra)
+    return s
+
+
+def log_stage(log, name: str, s: dict, tail: str = "") -> None:
+    t = s["ttft_s"]
+    log(f"{name} @ {s['rate']:g}/s{' (warm-up)' if s.get('warmup') else ''}: {s['ok']}/{s['requests']} ok, "
+        f"{s['request_throughput'] or 0:.2f} req/s (offered {_f(s['offered_rate'])}), TTFT p50/p90/p99 "
+        f"{_f(t['p50'])}/{_f(t['p90'])}/{_f(t['p99'])} s, hit/oracle {_f(s['hit']['vs_oracle'])}{tail}")
 
 
 class Sampler:
@@ -609,8 +628,6 @@ class Sampler:
     into the stages' CPU and routing decisions afterwards."""
 
     def __init__(self, cl: Cluster, period_s: float = 5.0):
-        import threading
-
         self.cl, self.period_s = cl, period_s
         self.samples: list[tuple[float, dict, dict]] = []
         self._stop = threading.Event()
@@ -667,9 +684,7 @@ def shared_prefix_steady(cl: Cluster, name: str, args, exe, mdir, tok, rates: li
                         timeout_s=len(stage_rates) * (args.stage_s * 6 + 120) + 300)
     per_stage, prompts = ipperf.results(d / "reports", len(stage_rates), relative=False)
     loads = ipperf.load_summaries(d / "reports", len(stage_rates))
-    items = [[workloads.WorkItem(tokenize(tok, p) or (0,), 1, 0.0, setup.BENCH_TENANT, setup.BENCH_TENANT)
-              for p in ps] for ps in prompts]
-    oracle = workloads.oracle_hits([w for ws in items for w in ws])
+    oracle = workloads.oracle_hits(prompt_items(tok, [p for ps in prompts for p in ps]))
     # inference-perf stamps requests with time.perf_counter() (CLOCK_MONOTONIC: one clock for every
     # process here); the sampler and the engines' step traces use wall-clock time
     to_wall = time.time() - time.perf_counter()
@@ -681,16 +696,12 @@ def shared_prefix_steady(cl: Cluster, name: str, args, exe, mdir, tok, rates: li
             continue
         t0 = min(r.sent_s for r in results) + to_wall
         t1 = max(r.sent_s + (r.latency_s or 0) for r in results) + to_wall
-        s = summarize([dataclasses.replace(r, sent_s=r.sent_s + to_wall - t0) for r in results], args.ttft_slo,
-                      wall_s=t1 - t0)
+        results = [dataclasses.replace(r, sent_s=r.sent_s + to_wall - t0) for r in results]
+        s = stage_figures(results, stage_oracle, rate, loads[i], args, t1 - t0, warmup=i == 0, inference_perf_rc=rc,
+                          run_s=round(t1 - t0, 1), wall_clock=[t0, t1])
         (_, c0, m0), (_, c1, m1) = sampler.at(t0), sampler.at(t1)
-        s.update(rate=rate, offered_rate=loads[i].get("achieved_rate"), warmup=i == 0, inference_perf_rc=rc, run_s=round(t1 - t0, 1), wall_clock=[t0, t1],
-                 hit=hit_ratio(results, stage_oracle), load_avg=load_avg(),
-                 errors_sample=[r.error for r in results if r.error][:3], cpu=cpu_delta(c0, c1, s["ok"]),
-                 kvmesh_metrics=decisions(metrics_delta(m0, m1)))
-        log(f"{name} @ {rate:g}/s{' (warm-up)' if i == 0 else ''}: {s['ok']}/{s['requests']} ok, "
-            f"{s['request_throughput'] or 0:.2f} req/s, TTFT p50/p90/p99 {_f(s['ttft_s']['p50'])}/"
-            f"{_f(s['ttft_s']['p90'])}/{_f(s['ttft_s']['p99'])} s, hit/oracle {_f(s['hit']['vs_oracle'])}")
+        s.update(cpu=cpu_delta(c0, c1, s["ok"]), kvmesh_metrics=decisions(metrics_delta(m0, m1)))
+        log_stage(log, name, s)
         out.append(s)
     return out
 

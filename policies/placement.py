@@ -406,7 +406,8 @@ class Placer:
         total = -(-(prompt + max_tokens) // block_size)
         proxy = {w: PROXY_TOKEN_S * (loads.get(w, 0.0) + prompt - local[w] * block_size) for w in workers}
         key = leading_key(own, prompt_ids, self.config.key_blocks)
-        views = self.views(ranking or None, workers, local, total, loads, key, now, proxy, block_size)
+        groups = {key} | {leading_key(chain, prompt_ids, self.config.key_blocks) for chain in chains.values()}
+        views = self.views(ranking or None, workers, local, total, loads, key, now, proxy, block_size, groups)
         if not views:
             return None
         prefill = full_prefill_s(ranking, prompt) if ranking else PROXY_TOKEN_S * prompt
@@ -438,7 +439,7 @@ class Placer:
     def views(self, ranking: Sequence[Candidate] | None, workers: Sequence[WorkerId],
               local_blocks: Mapping[WorkerId, int], new_blocks: int, loads: Mapping[WorkerId, float],
               key: bytes, now: float, fallback_ttft: Mapping[WorkerId, float] | None = None,
-              block_size: int | None = None) -> list[WorkerView]:
+              block_size: int | None = None, groups: frozenset[bytes] | set[bytes] = frozenset()) -> list[WorkerView]:
         """One ``WorkerView`` per worker from the cost model's ``ranking`` (best candidate per
         worker), or, without one, from ``fallback_ttft``/the loads."""
         order = rendezvous_order(key, workers)
@@ -454,14 +455,17 @@ class Placer:
             elsewhere = self._held_elsewhere(w) if self.config.discount_held_elsewhere else None
             cost = self.shadow(w).eviction_cost(max(0, new_blocks - have), now, self.config.warm_s, elsewhere)
             out.append(WorkerView(w, ttft, have, cost, loads.get(w, 0.0), order[w], cand, reused,
-                                  self.group_share(w, key)))
+                                  self.group_share(w, groups or {key})))
         return out
 
-    def group_share(self, worker: WorkerId, key: bytes) -> float:
-        """The share of ``worker``'s last ``group_window`` routed requests that were of the group
-        keyed ``key`` (its ``leading_key``); 0 before any."""
+    def group_share(self, worker: WorkerId, keys: set[bytes] | frozenset[bytes]) -> float:
+        """The share of ``worker``'s last ``group_window`` routed requests that were of the prompt's
+        group: the best over ``keys``, the prompt's ``leading_key`` under each domain it may read
+        (a grantee's prompt is of the owner's group where it reads the owner's blocks). 1 when
+        nothing was routed there yet (a holder this router never fed: nothing says it serves
+        other groups)."""
         recent = self.recent.get(worker)
-        return recent.count(key) / len(recent) if recent else 0.0
+        return max(recent.count(k) for k in keys) / len(recent) if recent else 1.0
 
     def _held_elsewhere(self, worker: WorkerId) -> Callable[[Hashable], bool]:
         others = [s for w, s in self.shadows.items() if w != worker]

@@ -294,3 +294,78 @@ def test_step_traces_tell_where_a_request_waited(tmp_path):
     assert s["busy_at_add"] == pytest.approx(1 / 3) and s["idle_elsewhere_at_add"] == pytest.approx(1 / 3)
     assert s["prefill_tok_s"] == pytest.approx((511 + 511 + 255) / 5.4)
     assert s["decode_step_s"] == pytest.approx(0.5)
+
+
+def test_steady_sweep_is_one_inference_perf_run_cut_into_stages(tmp_path, monkeypatch):
+    """bench/cluster.shared_prefix_steady with inference-perf and the cluster faked: one run of a
+    warm-up plus every rate over one set of groups, cut into stages by inference-perf's per-stage
+    counts; hits against one oracle over the whole run (a group warmed earlier is a hit); the
+    offered rate inference-perf reports; CPU and routing counts cut from the sampler at the
+    stage's wall-clock window (inference-perf stamps perf_counter())."""
+    import argparse
+    import time as _time
+
+    from bench import cluster as cb
+
+    prefix = " ".join(["alpha"] * 40)
+    prompts = [f"{prefix} q{i}" for i in range(5)]  # one group: every prompt after the first hits
+    configs = []
+
+    def fake_run(exe, config_path, log, timeout_s):
+        cfg = yaml.safe_load(Path(config_path).read_text())
+        configs.append(cfg)
+        out = Path(cfg["storage"]["local_storage"]["path"])
+        out.mkdir(parents=True, exist_ok=True)
+        t_perf = _time.perf_counter()  # the "run": requests sent every 0.1 s, 0.05 s each
+        entries = [{"start_time": t_perf + 0.1 * i, "end_time": t_perf + 0.1 * i + 0.05,
+                    "request": json.dumps({"prompt": p}),
+                    "info": {"response_metrics": {"server_usage": {
+                        "prompt_tokens": 60, "completion_tokens": 4, "prompt_tokens_details": {"cached_tokens": 32 * (i > 0)}}}},
+                    "computed_metrics": {"time_to_first_token": 0.01, "request_latency": 0.05,
+                                         "time_per_output_token": 0.01}, "error": None} for i, p in enumerate(prompts)]
+        (out / "per_request_lifecycle_metrics.json").write_text(json.dumps(entries))
+        for k, (n, rate) in enumerate(((1, 0.5), (2, 0.4), (2, 1.9))):
+            (out / f"stage_{k}_lifecycle_metrics.json").write_text(
+                json.dumps({"load_summary": {"count": n, "achieved_rate": rate}}))
+        return 0
+
+    class FakeCluster:
+        out = tmp_path
+        base_url = "http://127.0.0.1:1"
+
+    monkeypatch.setattr(cb.ipperf, "run", fake_run)
+
+    class FakeSampler:  # a sample at any time t: CPU seconds = t, routes = t
+        def __init__(self, cl):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def at(self, t):
+            return t, {"worker": t}, {'kvmesh_routes_total{route="local",tenant="bench"}': t}
+
+    monkeypatch.setattr(cb, "Sampler", FakeSampler)
+
+    class Tok:
+        def encode(self, text, add_special_tokens=True):
+            return [sum(map(ord, w)) for w in text.split()]
+
+    args = argparse.Namespace(stage_s=10, groups=3, system_len=512, question_len=40, output_len=16, ttft_slo=2.0)
+    stages = cb.shared_prefix_steady(FakeCluster(), "kvmesh", args, "exe", "/m", Tok(), [0.5, 1.5], lambda m: None)
+    cfg = configs[0]
+    assert [s["rate"] for s in cfg["load"]["stages"]] == [0.5, 0.5, 1.5]  # warm-up + each rate, one run
+    assert cfg["data"]["shared_prefix"]["num_groups"] == 3
+    assert cfg["data"]["shared_prefix"]["num_prompts_per_group"] * 3 >= (0.5 + 0.5 + 1.5) * 10  # no repeats
+    assert [s["warmup"] for s in stages] == [True, False, False] and [s["requests"] for s in stages] == [1, 2, 2]
+    assert [s["offered_rate"] for s in stages] == [0.5, 0.4, 1.9]
+    assert stages[0]["hit"]["oracle_cached_tokens"] == 0 and stages[1]["hit"]["oracle_cached_tokens"] > 0
+    for s in stages:  # wall-clock windows, around now (not perf_counter's epoch)
+        t0, t1 = s["wall_clock"]
+        assert abs(t0 - _time.time()) < 60 and t1 - t0 == pytest.approx(0.05 + 0.1 * (s["requests"] - 1))
+        # cut from the samples at the window's ends
+        assert s["cpu"]["cpu_s"]["worker"] == pytest.approx(t1 - t0, abs=0.01)
+        assert s["kvmesh_metrics"]["routes"]["local"] == pytest.approx(t1 - t0)

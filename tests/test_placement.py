@@ -226,13 +226,14 @@ def test_a_holder_serving_several_groups_keeps_them_and_spills_only_its_dominant
     cm.observe_load("w1", WorkerLoad())
     idx = {"w0": 592}
     cm.observe_load("w0", WorkerLoad(waiting_tokens=(640,) * 4))  # the holder is clearly slower now
-    assert placer.group_share("w0", _key(a[1])) == pytest.approx(1 / 3)
+    assert placer.group_share("w1", {_key(a[1])}) == 1.0  # nothing routed there yet: no evidence of other groups
+    assert placer.group_share("w0", {_key(a[1])}) == pytest.approx(1 / 3)
     p = _route(placer, cm, a[1], workers, idx, {"w0": 2560.0}, now=1.0)
     assert (p.worker, p.kind) == ("w0", "match")  # one group of three: it stays
     # the same queue, but the holder's recent requests are all of group a: it spills
     for it in a[2:]:
         placer.recent["w0"].extend([_key(it)] * 8)
-    assert placer.group_share("w0", _key(a[2])) == 1.0
+    assert placer.group_share("w0", {_key(a[2])}) == 1.0
     p = _route(placer, cm, a[2], workers, idx, {"w0": 2560.0}, now=2.0)
     assert (p.worker, p.kind) == ("w1", "spill")
     # spill_group_share 0: any group may spill (the rule before)
