@@ -117,10 +117,10 @@ def balanced_arms(n_trials: int, rng: random.Random) -> list[str]:
 
 
 def run_trials(client, model: str, vocab: int, n_trials: int, length: int, shared: int, rng: random.Random,
-               deadline: float) -> dict[str, dict[str, list[float]]]:
+               deadline: float, conditions: tuple[str, ...] = CONDITIONS) -> dict[str, dict[str, list[float]]]:
     """Per condition, per arm, the attacker's TTFTs."""
-    out = {c: {"hit": [], "miss": []} for c in CONDITIONS}
-    arms = {c: balanced_arms(n_trials, rng) for c in CONDITIONS}
+    out = {c: {"hit": [], "miss": []} for c in conditions}
+    arms = {c: balanced_arms(n_trials, rng) for c in conditions}
 
     def fresh(n):
         return [rng.randrange(100, vocab - 100) for _ in range(n)]
@@ -132,7 +132,7 @@ def run_trials(client, model: str, vocab: int, n_trials: int, length: int, share
             break
         secret = fresh(length)
         sent = set()
-        conds = list(CONDITIONS)
+        conds = list(conditions)
         rng.shuffle(conds)
         for c in conds:
             (vkey, vsalt), (akey, asalt) = PRINCIPALS[c]
@@ -171,9 +171,15 @@ def main() -> None:
     ap.add_argument("--short-shared", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--budget-s", type=float, default=600.0, help="stop starting trials after this")
+    ap.add_argument("--conditions", default=",".join(CONDITIONS),
+                    help="comma-separated subset of " + ",".join(CONDITIONS) + " (control is always run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench/results/timing_probe.json"))
     args = ap.parse_args()
+    conditions = tuple(c for c in CONDITIONS if c == "control" or c in args.conditions.split(","))
+    unknown = set(args.conditions.split(",")) - set(CONDITIONS)
+    if unknown:
+        ap.error(f"unknown conditions {sorted(unknown)}; choose from {CONDITIONS}")
 
     import httpx
     import ray
@@ -201,14 +207,14 @@ def main() -> None:
         print(f"serving {model} on 127.0.0.1:{port}; warm-up", flush=True)
         for _ in range(args.warmup):
             ttft(client, "sk-other", [rng.randrange(100, vocab - 100) for _ in range(args.length)], None, model)
-        deadline = t_start + 0.75 * args.budget_s
+        deadline = t_start + (0.75 if args.short_trials else 1.0) * args.budget_s
         shared = int(round(args.share * args.length))
         print(f"set 1: {args.length}-token prompts, {shared} shared, {args.trials} trials", flush=True)
-        long = run_trials(client, model, vocab, args.trials, args.length, shared, rng, deadline)
+        long = run_trials(client, model, vocab, args.trials, args.length, shared, rng, deadline, conditions)
         print(f"set 2: {args.short_length}-token prompts, {args.short_shared} shared, {args.short_trials} trials",
               flush=True)
         short = run_trials(client, model, vocab, args.short_trials, args.short_length, args.short_shared, rng,
-                           t_start + args.budget_s)
+                           t_start + args.budget_s, conditions)
         counts = counters(client, ray)
     finally:
         serve.shutdown()
@@ -220,11 +226,12 @@ def main() -> None:
                                          ("shared_16_tokens", short, args.short_length, args.short_shared)):
         res["sets"][name] = {"prompt_tokens": length, "shared_tokens": shared_n,
                              "conditions": {c: analyse(d["hit"], d["miss"], nrng) for c, d in data.items()
-                                            if d["hit"] and d["miss"]}}
+                                            if d["hit"] and d["miss"]},
+                             "ttft_s": data}  # raw, per condition and arm (for pooling runs)
     s95 = res["sets"]["shared_95pct"]["conditions"]
     valid = s95["control"]["ks_p"] < 1e-6
     targets = {c: {"ks_p>=0.01": s95[c]["ks_p"] >= 0.01, "auc<=0.55": s95[c]["auc"] <= 0.55}
-               for c in ("no_grant", "salt")}
+               for c in ("no_grant", "salt") if c in s95}
     cross = counts["engine_cross_tenant_reads"]
     bad = {k: v for k, v in {**cross, **counts["index_cross_tenant_reads"]}.items() if k != "granted<-victim"}
     res.update({
