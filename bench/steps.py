@@ -12,7 +12,11 @@ baselines' engine replicas run the same engine):
     ``idle_elsewhere_at_add``: the share that did so while some other engine of the run was idle;
   * ``prefill_tok_s``: prompt tokens computed per second of forward time in steps that carried
     prefill, and ``decode_step_s``: the mean forward time of pure decode steps (the hosts' speed);
-  * ``per_engine``: requests added per engine.
+  * ``per_engine``: requests added per engine;
+  * ``busy_share``: per engine, its forward time over the window (how much of the stage it
+    computed; engines left idle while requests queue elsewhere show here), and
+    ``forward_s_per_request`` / ``decode_rows_mean``: forward time per request added and the mean
+    rows of a decode step (batching: fewer, fuller steps cost less per request).
 
 ``python -m bench.steps <dir> [t0 t1]`` prints the summary of the traces under ``dir``.
 """
@@ -86,6 +90,8 @@ def summarize(engines: dict[str, list[dict]], t0: float = float("-inf"), t1: flo
     pre_tok = pre_s = dec_s = 0.0
     dec_n = 0
     per_engine: dict[str, int] = {}
+    forward: dict[str, float] = {}
+    dec_rows = 0
     spans = {e: _busy_spans(recs) for e, recs in engines.items()}
     for e, recs in engines.items():
         adds = {}
@@ -103,6 +109,7 @@ def summarize(engines: dict[str, list[dict]], t0: float = float("-inf"), t1: flo
             elif ev == "first" and r.get("n") in adds:
                 ttft.append(t - adds.pop(r["n"]))
             elif ev == "step" and t0 <= t < t1:
+                forward[e] = forward.get(e, 0.0) + r["dt"]
                 tok, rows = sum(r["tok"].values()), sum(r["rows"].values())
                 if tok > rows:
                     pre_tok += tok - rows
@@ -110,12 +117,17 @@ def summarize(engines: dict[str, list[dict]], t0: float = float("-inf"), t1: flo
                 elif rows:
                     dec_s += r["dt"]
                     dec_n += 1
+                    dec_rows += rows
     return {"requests": adds_total,
             "engine_ttft_s": {"p50": _pct(ttft, 0.5), "p90": _pct(ttft, 0.9)},
             "busy_at_add": busy / adds_total if adds_total else None,
             "idle_elsewhere_at_add": idle_elsewhere / adds_total if adds_total else None,
             "prefill_tok_s": pre_tok / pre_s if pre_s else None,
             "decode_step_s": dec_s / dec_n if dec_n else None,
+            "decode_rows_mean": dec_rows / dec_n if dec_n else None,
+            "forward_s_per_request": sum(forward.values()) / adds_total if adds_total else None,
+            "busy_share": ({e: forward.get(e, 0.0) / (t1 - t0) for e in engines}
+                           if t1 - t0 < float("inf") and t1 > t0 else None),
             "per_engine": per_engine}
 
 

@@ -294,6 +294,9 @@ def test_step_traces_tell_where_a_request_waited(tmp_path):
     assert s["busy_at_add"] == pytest.approx(1 / 3) and s["idle_elsewhere_at_add"] == pytest.approx(1 / 3)
     assert s["prefill_tok_s"] == pytest.approx((511 + 511 + 255) / 5.4)
     assert s["decode_step_s"] == pytest.approx(0.5)
+    assert s["decode_rows_mean"] == 1.0 and s["forward_s_per_request"] == pytest.approx(5.9 / 3)
+    assert s["busy_share"] == {"w1-steps-1": pytest.approx(4.9 / 25), "w2-steps-2": pytest.approx(1.0 / 25)}
+    assert steps.summarize(steps.read(sorted(tmp_path.glob("*.jsonl"))))["busy_share"] is None
 
 
 def test_steady_sweep_is_one_inference_perf_run_cut_into_stages(tmp_path, monkeypatch):
