@@ -176,10 +176,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench/results/timing_probe.json"))
     args = ap.parse_args()
-    conditions = tuple(c for c in CONDITIONS if c == "control" or c in args.conditions.split(","))
-    unknown = set(args.conditions.split(",")) - set(CONDITIONS)
-    if unknown:
-        ap.error(f"unknown conditions {sorted(unknown)}; choose from {CONDITIONS}")
+    asked = set(args.conditions.split(","))
+    if asked - set(CONDITIONS):
+        ap.error(f"unknown conditions {sorted(asked - set(CONDITIONS))}; choose from {CONDITIONS}")
+    conditions = tuple(c for c in CONDITIONS if c == "control" or c in asked)
 
     import httpx
     import ray
