@@ -396,7 +396,7 @@ def _stage_figures(st: Stage, reqs: list[_Req], t0: float, drained: float, oracl
 
 # -- the sweep ---------------------------------------------------------------------------------
 BASELINE_REV = "76dceb6"  # main before this sweep's rule: its Placer is the "legacy" variant
-# name -> (PlacementConfig fields, decode_step_s, placer: "new" | "legacy")
+# name -> (PlacementConfig fields, decode_step_s, placer: "new" | "legacy" | a git revision)
 VARIANTS: dict[str, tuple[dict, float, str]] = {
     "legacy": ({}, 0.0, "legacy"),  # the defaults the cluster bench ran (p(reuse) 1, lexicographic place)
     "default": ({}, 0.0, "new"),  # this module's defaults: p(reuse) 1, victims held elsewhere not charged
@@ -417,6 +417,13 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "p=1+elsewhere decode=0.5": ({"reuse_prob": 1.0}, 0.5, "new"),
     "measured+elsewhere decode=0.5": ({"reuse_prob": None}, 0.5, "new"),
     "any group spills": ({"spill_group_share": 0.0}, 0.0, "new"),  # the rule before session 9
+    "s10": ({}, 0.0, "20ae9bd"),  # main at the end of session 10 (before the balance rules)
+    "no balance": ({"balance_ratio": 0.0}, 0.0, "new"),
+    "place tie 0": ({"place_tie": 0.0}, 0.0, "new"),
+    "place tie 0.5": ({"place_tie": 0.5}, 0.0, "new"),
+    "balance 1.5+1": ({"balance_ratio": 1.5, "balance_abs_s": 1.0}, 0.0, "new"),
+    "balance 3+4": ({"balance_ratio": 3.0, "balance_abs_s": 4.0}, 0.0, "new"),
+    "balance tau 60": ({"balance_tau_s": 60.0}, 0.0, "new"),
 }
 
 
@@ -426,10 +433,11 @@ def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _ca
     base, learn = (name[: -len("+learn")], True) if name.endswith("+learn") else (name, False)
     fields, decode_s, kind = VARIANTS[base] if base in VARIANTS else ({}, 0.0, "new")
     router = name if name in ROUTERS else "kvmesh"
-    if kind == "legacy" and "legacy" not in _cache:
-        _cache["legacy"] = legacy_placer(BASELINE_REV)
-    placer_cls = _cache["legacy"] if kind == "legacy" else Placer
-    legacy_cfg = sys.modules[placer_cls.__module__].PlacementConfig if kind == "legacy" else PlacementConfig
+    rev = BASELINE_REV if kind == "legacy" else kind if kind != "new" else None
+    if rev is not None and rev not in _cache:
+        _cache[rev] = legacy_placer(rev)
+    placer_cls = _cache[rev] if rev is not None else Placer
+    legacy_cfg = sys.modules[placer_cls.__module__].PlacementConfig if rev is not None else PlacementConfig
     rows = []
     for seed in seeds:
         run = stages(rates or (0.4, 0.7, 1.0, 1.3), seed=seed, hot=hot, steady=steady)
@@ -511,10 +519,13 @@ def main(argv=None) -> None:
                     help="shared: the cluster bench's stages; hot: one group; closed: placement_sim's defaults; "
                          "steady: the bench's --sweep steady (one set of groups through a warm-up and every rate)")
     ap.add_argument("--rates", default=None, help="offered rates (req/s), comma separated")
+    ap.add_argument("--speed-jitter", type=float, default=0.0,
+                    help="worker k's steps take (1 + u_k) x as long, u_k uniform in [-x, +x] per seed "
+                         "(the cluster's hosts measured 12.4-15.2 ms per prefill token, +-10%%)")
     ap.add_argument("--json", default=str(ROOT / "bench/results/placement_sim_tradeoff.json"),
                     help="merge the aggregated rows into this file (by workload and variant)")
     a = ap.parse_args(argv)
-    cfg = OpenConfig()
+    cfg = OpenConfig(speed_jitter=a.speed_jitter)
     path = Path(a.json)
     doc = json.loads(path.read_text()) if path.exists() else {}
     doc.setdefault("bench", "bench/placement_openloop.py")

@@ -16,11 +16,9 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     TTFT is within ``place_slack`` x its own prefill of the fastest (load-based spill-over), on
     the one with the least expected TTFT plus the expected recompute of the warm blocks its
     cache would evict to take it: ``evict_weight`` x p(reuse) x warm blocks x the prompt's prefill
-    per block. Near ties (``tie_ratio``/``tie_abs_s``) go by headroom: the fewest warm evictions;
-    among workers where it fits in free space, the least loaded (then the most free), among those
-    that must evict, the coldest victims (then the least loaded); a rendezvous hash of the
-    prompt's leading blocks breaks the remaining ties (so ties spread prompts over workers
-    instead of piling them on the first).
+    per block. Near ties go by headroom (below); a rendezvous hash of the prompt's leading blocks
+    breaks the remaining ties (so ties spread prompts over workers instead of piling them on the
+    first).
   * **a warm block is one a later prompt may ask for.** Used within ``warm_s``, not private (a
     request's unshared tail and output: nobody asks for it) and, with
     ``discount_held_elsewhere``, held by no other worker's shadow (a copy there is pulled back,
@@ -50,8 +48,22 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     hits (``bench/placement_openloop.py --workload steady``). A hot group is its holder's
     dominant one and spills as before. ``PlacementConfig(spill_ratio=0, spill_abs_s=0,
     evict_weight=0)`` is the plain per-request TTFT choice (``TTFT_ONLY``).
-  * ties within ``tie_ratio``/``tie_abs_s`` of the best TTFT are broken by cache headroom (the
-    eviction key above), not by worker order.
+  * **an overloaded holder lets any group go.** Groups are sticky, so the split of groups over
+    workers that their first requests made is the split of the load for as long as they live;
+    a worker given one group too many queues while another idles (the cluster bench, session 10:
+    engines 63% and 96% busy at the same offered load). Each worker's queue wait (the cost
+    model's) is averaged over ``balance_tau_s`` (``Placer.observe_wait``): a burst hardly moves
+    it, a worker that carries more than its share keeps it high. A holder whose average exceeds
+    ``balance_ratio`` x the least-waiting worker's plus ``balance_abs_s`` is *overloaded*: any of
+    its groups spills, and without the spill margin (a persistent queue pays back a copy many
+    times; a pull costs a transfer); such a decision counts as ``balance``. The copy then holds the group too, and the match rule sends
+    the group's requests to whichever holder is faster.
+  * ties within ``tie_ratio``/``tie_abs_s`` of the best TTFT (for a new prefix, also within
+    ``place_tie`` x its own prefill: where a group lands decides where its later requests go, so
+    a host 10% faster now is worth less than balance) are broken by headroom: fewest warm
+    evictions, not overloaded, fewest prefix blocks held (private and free blocks are both room;
+    this spreads groups evenly over caches they fill), least loaded now, coldest victims, then
+    the rendezvous order, not worker order.
 
 Invariants: a ``ShadowCache`` never holds more than its capacity; ``choose`` returns one of the
 given views; with no views it raises ``ValueError``; a measured p(reuse) lies in (0, 1); with
@@ -62,13 +74,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Hashable, Literal, Mapping, Sequence
 
 from policies.routing import Candidate, WorkerId
 
-PlacementKind = Literal["match", "spill", "place"]
+PlacementKind = Literal["match", "spill", "balance", "place"]
 PROXY_TOKEN_S = 1e-3  # without estimates: a token of queue or prefill ~ 1 ms (only compared, never reported)
 
 
@@ -84,6 +97,10 @@ class PlacementConfig:
     tie_abs_s: float = 0.005  # ... or this close
     place_slack: float = 1.0  # new prefix: workers within this x the prompt's own prefill of the fastest
     place_abs_s: float = 0.05
+    # a new prefix's options this close (x its own prefill) to the cheapest are ties, decided by
+    # headroom: a group brings its later requests, and where it lives decides the cluster's
+    # balance for as long as it lives; a faster option now (a host 10% quicker) is worth less
+    place_tie: float = 0.25
     warm_s: float = 30.0  # a block used this recently is warm: evicting it may cost a future hit
     reuse_prob: float | None = 1.0  # p(an evicted warm block is asked for again); None: measured (ghosts)
     reuse_prior: tuple[float, float] = (16.0, 16.0)  # Beta prior of the measured p, in blocks (mean 0.5)
@@ -95,6 +112,11 @@ class PlacementConfig:
     # the holder's last ``group_window`` routed requests (0: any group may spill)
     spill_group_share: float = 0.6
     group_window: int = 8
+    # ... or the holder is overloaded: its queue wait, averaged over ``balance_tau_s``, exceeds
+    # ``balance_ratio`` x the least-waiting worker's average plus ``balance_abs_s`` (ratio 0: never)
+    balance_tau_s: float = 30.0
+    balance_ratio: float = 2.0
+    balance_abs_s: float = 2.0
 
 
 TTFT_ONLY = PlacementConfig(spill_ratio=0.0, spill_abs_s=0.0, evict_weight=0.0, compute_weight=0.0)
@@ -118,6 +140,7 @@ class ShadowCache:
             raise ValueError("capacity_blocks must be positive")
         self.capacity = capacity_blocks
         self._lru: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()  # key -> (inserted, last used)
+        self.shared = 0  # keys a later prompt may ask for (not private): the prefixes it holds
         self.evicted = 0
         self.on_evict = on_evict  # (key, its last use, now) for every key the LRU drops
 
@@ -146,8 +169,10 @@ class ShadowCache:
     def _put(self, key: Hashable, now: float) -> None:
         old = self._lru.pop(key, None)
         self._lru[key] = (old[0] if old else now, now)
+        self.shared += old is None and not _private(key)
         while len(self._lru) > self.capacity:
             gone, (_, used) = self._lru.popitem(last=False)
+            self.shared -= not _private(gone)
             self.evicted += 1
             if self.on_evict is not None:
                 self.on_evict(gone, used, now)
@@ -159,6 +184,7 @@ class ShadowCache:
             ent = self._lru.get(key)
             if ent is not None and ent[0] < now - lag_s:
                 del self._lru[key]
+                self.shared -= 1
 
     def eviction_cost(self, new_blocks: int, now: float, warm_s: float,
                       held_elsewhere: Callable[[Hashable], bool] | None = None) -> tuple[int, int, float]:
@@ -265,6 +291,8 @@ class WorkerView:
     candidate: Candidate | None = None
     reused_blocks: int | None = None
     group_share: float = 1.0  # the prompt's group's share of its recently routed requests
+    wait_avg_s: float = 0.0  # its queue wait (the cost model's), averaged over ``balance_tau_s``
+    shared_blocks: int = 0  # blocks of prefixes it holds (its shadow cache's, private blocks not counted)
 
     @property
     def reused(self) -> int:
@@ -288,14 +316,23 @@ def rendezvous_order(key: bytes, workers: Sequence[WorkerId]) -> dict[WorkerId, 
     return {w: i for i, w in enumerate(sorted(workers, key=lambda w: score[w], reverse=True))}
 
 
-def _headroom_key(v: WorkerView) -> tuple:
-    """Fewest warm evictions, then: among workers where the blocks fit in free space, the least
-    loaded (free space is not worth a queue: nothing is evicted either way), then the most free;
-    among workers that must evict, the coldest victims, then the least loaded."""
-    warm, evicts, rest = v.eviction
-    if not evicts:
-        return (warm, 0, v.load, rest, v.rank, v.worker)
-    return (warm, 1, rest, v.load, v.rank, v.worker)
+def _headroom(views: Sequence[WorkerView], c: PlacementConfig) -> Callable[[WorkerView], tuple]:
+    """The key that breaks near ties: fewest warm evictions; then not overloaded (its average
+    queue wait within ``balance_ratio`` x the least-waiting worker's plus ``balance_abs_s``); then
+    the fewest prefix blocks held (the most room for prefixes: private and free blocks are room
+    alike, evicting them costs nothing); then the least loaded now; then the coldest victims.
+    Prefixes held is what spreads new groups evenly over a cluster whose caches they fill (a
+    worker given one more group than the rest evicts the others' prefixes while another's room
+    lies unused; measured: 4/4/2/2 groups where 3/3/3/3 fit, session 11)."""
+    over = _overloaded(views, c)
+    return lambda v: (v.eviction[0], v.worker in over, v.shared_blocks, v.load, v.eviction[1:], v.rank, v.worker)
+
+
+def _overloaded(views: Sequence[WorkerView], c: PlacementConfig) -> set[WorkerId]:
+    if c.balance_ratio <= 0:
+        return set()
+    limit = c.balance_ratio * min(v.wait_avg_s for v in views) + c.balance_abs_s
+    return {v.worker for v in views if v.wait_avg_s > limit}
 
 
 def _within(views: Sequence[WorkerView], best_s: float, ratio: float, abs_s: float) -> list[WorkerView]:
@@ -316,9 +353,10 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
     threshold = max(c.min_match_blocks, c.min_match_fraction * usable_blocks)
     holders = [v for v in views if v.local_blocks >= threshold and v.local_blocks > 0]
     fastest = min(v.ttft_s for v in views)
+    headroom = _headroom(views, c)
     if holders:
         best_h_s = min(v.ttft_s for v in holders)
-        best_h = min(_within(holders, best_h_s, c.tie_ratio, c.tie_abs_s), key=_headroom_key)
+        best_h = min(_within(holders, best_h_s, c.tie_ratio, c.tie_abs_s), key=headroom)
         # a copy on a second worker takes cache space other groups may need (now or when they
         # arrive): only for an option faster by the spill margin, counting the warm blocks it
         # evicts at what recomputing them later costs (the prompt's prefill per block)
@@ -330,19 +368,22 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
                + c.compute_weight * max(0, best_h.reused - v.reused) * block_s for v in views}
         best_eff = min(eff.values())
         dominant = best_h.group_share >= c.spill_group_share
-        if dominant and best_h_s > best_eff * (1 + c.spill_ratio) + c.spill_abs_s:
+        spill = dominant and best_h_s > best_eff * (1 + c.spill_ratio) + c.spill_abs_s
+        # an overloaded holder: any group, and no margin ("balance": a spill only overload allows)
+        balance = not spill and best_h.worker in _overloaded(views, c) and best_h_s > best_eff + c.tie_abs_s
+        if spill or balance:
             limit = best_eff + max(c.tie_abs_s, c.tie_ratio * best_eff)
-            v = min((v for v in views if eff[v.worker] <= limit + 1e-12), key=_headroom_key)
-            return Placement(v.worker, "spill", v)
+            v = min((v for v in views if eff[v.worker] <= limit + 1e-12), key=headroom)
+            return Placement(v.worker, "spill" if spill else "balance", v)
         return Placement(best_h.worker, "match", best_h)
     # a new prefix: its own TTFT plus the expected recompute of the warm blocks it evicts
-    # (p(reuse) x their prefill), among the workers within the slack of the fastest; near ties
-    # by headroom (fewest warm evictions, then load / free space / coldest victims)
+    # (p(reuse) x their prefill), among the workers within the slack of the fastest; ties (within
+    # place_tie x its prefill too) by headroom (warm evictions, overload, prefixes held, load)
     eligible = _within(views, fastest, 0.0, max(c.place_abs_s, c.place_slack * prompt_prefill_s))
     cost = {v.worker: v.ttft_s + charge * v.eviction[0] for v in eligible}
     best = min(cost.values())
-    limit = best + max(c.tie_abs_s, c.tie_ratio * best)
-    v = min((v for v in eligible if cost[v.worker] <= limit + 1e-12), key=_headroom_key)
+    limit = best + max(c.tie_abs_s, c.tie_ratio * best, c.place_tie * prompt_prefill_s)
+    v = min((v for v in eligible if cost[v.worker] <= limit + 1e-12), key=headroom)
     return Placement(v.worker, "place", v)
 
 
@@ -354,10 +395,11 @@ class Placer:
         self.config = config or PlacementConfig()
         self.default_capacity = default_capacity
         self.shadows: dict[WorkerId, ShadowCache] = {}
-        self.placements: Counter[str] = Counter()  # decisions by rule (match | spill | place; -fallback)
+        self.placements: Counter[str] = Counter()  # decisions by rule (match | spill | balance | place; -fallback)
         c = self.config
         self.reuse = ReuseEstimate(c.warm_s, c.reuse_prior, c.reuse_window)  # fed by every shadow's evictions
         self.recent: dict[WorkerId, deque[bytes]] = {}  # per worker, the group keys of its last routed requests
+        self._wait: dict[WorkerId, tuple[float, float, float]] = {}  # per worker: average, last sample, its time
 
     @property
     def reuse_p(self) -> float:
@@ -376,6 +418,22 @@ class Placer:
 
     def remove(self, worker: WorkerId) -> None:
         self.shadows.pop(worker, None)
+        self._wait.pop(worker, None)
+
+    def observe_wait(self, worker: WorkerId, wait_s: float, now: float) -> float:
+        """Fold a sample of ``worker``'s queue wait into its time average (each sample holds until
+        the next; ``balance_tau_s`` time constant) and return the average. A worker's queue at one
+        instant is noise (a burst, a long prompt); its average over tens of seconds is the share of
+        the traffic its groups bring, which per-request choices never see."""
+        prev = self._wait.get(worker)
+        if prev is None:
+            self._wait[worker] = (wait_s, wait_s, now)
+            return wait_s
+        avg, last, t = prev
+        tau = self.config.balance_tau_s
+        avg = last + (avg - last) * math.exp(-max(0.0, now - t) / tau) if tau > 0 else wait_s
+        self._wait[worker] = (avg, wait_s, max(t, now))
+        return avg
 
     def pending_tokens(self, chains: Mapping[str, Sequence[bytes]], holdings: Mapping[WorkerId, int] | None,
                        workers: Sequence[WorkerId], prompt_tokens: int, block_size: int,
@@ -454,8 +512,9 @@ class Placer:
             reused = max(have, cand.cached_tokens // block_size) if cand is not None and block_size else None
             elsewhere = self._held_elsewhere(w) if self.config.discount_held_elsewhere else None
             cost = self.shadow(w).eviction_cost(max(0, new_blocks - have), now, self.config.warm_s, elsewhere)
+            wait = self.observe_wait(w, cand.wait_s, now) if cand is not None else 0.0
             out.append(WorkerView(w, ttft, have, cost, loads.get(w, 0.0), order[w], cand, reused,
-                                  self.group_share(w, groups or {key})))
+                                  self.group_share(w, groups or {key}), wait, self.shadow(w).shared))
         return out
 
     def group_share(self, worker: WorkerId, keys: set[bytes] | frozenset[bytes]) -> float:

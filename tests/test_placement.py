@@ -3,7 +3,9 @@
 (bench/placement_sim.py). Pure: no Ray, no model."""
 
 import asyncio
+import math
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -44,6 +46,19 @@ def test_eviction_cost_prefers_free_then_cold():
     warm = s.eviction_cost(8, 10.0, 30.0)  # the same blocks are warm at t=10
     assert warm[:2] == (2, 1) and cold < warm
     assert s.eviction_cost(25, 10.0, 30.0)[0] == 4 + 15  # the whole cache and more
+
+
+def test_shadow_cache_counts_the_prefix_blocks_it_holds():
+    s = ShadowCache(10)
+    a = [b"a%d" % i for i in range(6)]
+    s.touch(a, private_blocks=3, now=0.0)
+    assert s.shared == 6  # private blocks are room, not prefixes
+    s.touch(a, private_blocks=0, now=1.0)  # the same blocks again: no new prefix
+    assert s.shared == 6
+    s.touch([b"b%d" % i for i in range(5)], private_blocks=0, now=2.0)  # evicts 3 private, 1 of a
+    assert s.shared == 10 == len(s)
+    s.reconcile(a, indexed_blocks=2, now=100.0, lag_s=5.0)  # the index shows 2 of a's blocks
+    assert s.shared == sum(1 for k in s._lru if isinstance(k, bytes)) == 7
 
 
 def test_reconcile_trusts_the_index_after_its_lag():
@@ -118,6 +133,79 @@ def test_a_recompute_copy_is_charged_the_prefill_it_repeats_a_pull_is_not():
     assert choose([holder, recompute], 39, 0.6, PlacementConfig(compute_weight=0.0)).kind == "spill"
     # a holder far enough behind still spills to a recompute
     assert choose([view("w0", 2.5, local=37), recompute], 39, 0.6).kind == "spill"
+
+
+def test_new_groups_go_where_the_fewest_prefixes_live_not_to_a_slightly_faster_host():
+    """A group brings its later requests: where the first lands decides the split of the load.
+    Placing each new group on the fastest host (10% quicker) by its own TTFT stacked 4 groups on
+    one worker and 2 on another where 3 each fit (the cluster bench, session 10: engines 63% and
+    96% busy); options within ``place_tie`` x the prompt's prefill go by prefixes held."""
+    fast_full = WorkerView("w0", 2.7, 0, (0, 0, -20.0), shared_blocks=64)
+    slow_roomy = WorkerView("w1", 3.0, 0, (0, 1, -5.0), shared_blocks=32)  # evicts cold or private blocks only
+    assert choose([fast_full, slow_roomy], 39, 3.0).worker == "w1"
+    assert choose([fast_full, slow_roomy], 39, 3.0, PlacementConfig(place_tie=0.0)).worker == "w0"
+    # beyond the tie the faster option wins, and a warm eviction still counts first
+    assert choose([fast_full, replace(slow_roomy, ttft_s=4.0)], 39, 3.0).worker == "w0"
+    assert choose([fast_full, replace(slow_roomy, eviction=(5, 1, -1.0))], 39, 3.0).worker == "w0"
+
+
+def test_an_overloaded_holder_spills_any_of_its_groups_and_without_the_margin():
+    """Groups stay with their holder; only a dominant group spilled on a queue (session 9). A
+    holder whose queue wait stays high on average (a persistent share of the load, not a burst)
+    while another worker's stays low lets any of its groups spill, as soon as the option is faster."""
+    holder = WorkerView("w0", 6.0, 37, (0, 0, -2.0), group_share=1 / 3, wait_avg_s=8.0)
+    pull = WorkerView("w1", 1.0, 0, (0, 0, -40.0), reused_blocks=37, wait_avg_s=0.5)
+    p = choose([holder, pull], 39, 3.0)
+    assert (p.worker, p.kind) == ("w1", "balance")
+    busy_now = replace(holder, wait_avg_s=2.0)  # 2.0 <= 2 x 0.5 + 2: a queue now, not a share
+    assert choose([busy_now, pull], 39, 3.0).kind == "match"
+    assert choose([holder, pull], 39, 3.0, PlacementConfig(balance_ratio=0.0)).kind == "match"
+    # the margin: a dominant group's holder 1.2 s against a 1.0 s pull stays unless overloaded
+    dominant = WorkerView("w0", 1.2, 37, (0, 0, -2.0), group_share=1.0, wait_avg_s=1.0)
+    assert choose([dominant, pull], 39, 3.0).kind == "match"
+    assert choose([replace(dominant, wait_avg_s=5.0), pull], 39, 3.0).kind == "balance"
+    assert choose([replace(dominant, ttft_s=2.0, wait_avg_s=5.0), pull], 39, 3.0).kind == "spill"  # beyond it
+    # an overloaded worker is not where a new prefix goes when another is as fast
+    fresh = [WorkerView("w0", 3.0, 0, (0, 0, -50.0), wait_avg_s=8.0), WorkerView("w1", 3.1, 0, (0, 0, -5.0),
+                                                                           shared_blocks=60, wait_avg_s=0.5)]
+    assert choose(fresh, 39, 3.0).worker == "w1"
+
+
+def test_the_placer_averages_each_workers_queue_wait_over_time():
+    placer = Placer(PlacementConfig(balance_tau_s=10.0))
+    assert placer.observe_wait("w", 10.0, now=0.0) == 10.0
+    assert placer.observe_wait("w", 0.0, now=10.0) == pytest.approx(10.0)  # 10 s held for 10 s
+    assert placer.observe_wait("w", 0.0, now=20.0) == pytest.approx(10.0 * math.exp(-1))
+    # a spike seen for 0.1 s barely moves the average
+    placer.observe_wait("v", 0.0, now=0.0)
+    placer.observe_wait("v", 100.0, now=10.0)
+    assert placer.observe_wait("v", 0.0, now=10.1) == pytest.approx(100.0 * (1 - math.exp(-0.01)))
+    placer.remove("w")
+    assert placer.observe_wait("w", 3.0, now=30.0) == 3.0
+
+
+def test_a_persistently_loaded_holder_hands_a_group_to_an_idle_worker():
+    """Three groups on w0, none on w1; w0's queue stays long for a minute: a request of one of its
+    groups (no group dominant) moves to w1, by pull, and w1 then holds that group."""
+    workers = ["w0", "w1"]
+    cm, placer = _cost_model(workers), Placer()
+    items = shared_prefix(groups=3, users=8, seed=11, shuffle=False)
+    by_group: dict[str, list] = {}
+    for it in items:
+        by_group.setdefault(it.group, []).append(it)
+    a, b, c = by_group.values()
+    for it in (a[0], b[0], c[0]):
+        cm.observe_load("w1", WorkerLoad(waiting_tokens=(4000,)))
+        assert _route(placer, cm, it, workers, {}, {}, now=0.0).worker == "w0"
+    cm.observe_load("w1", WorkerLoad())
+    idx = {"w0": 592}
+    cm.observe_load("w0", WorkerLoad(waiting_tokens=(640,) * 8))  # ~5 s of queue
+    assert _route(placer, cm, a[1], workers, idx, {"w0": 5120.0}, now=1.0).kind == "match"  # a queue, once
+    for k, t in enumerate((20.0, 40.0)):  # the queue stays: its average rises
+        assert _route(placer, cm, (b, c)[k][1], workers, idx, {"w0": 5120.0}, now=t).worker == "w0"
+    p = _route(placer, cm, a[2], workers, idx, {"w0": 5120.0}, now=60.0)
+    assert (p.worker, p.kind) == ("w1", "balance") and p.candidate.kind == "pulled"
+    assert placer.shadow("w1").match(prompt_chains(a[3].prompt_ids, BS, "m", [a[3].domain])[a[3].domain]) >= 37
 
 
 def test_small_matches_do_not_count_as_holders():
