@@ -420,10 +420,6 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "s10": ({}, 0.0, "20ae9bd"),  # main at the end of session 10 (before the balance rules)
     "no balance": ({"balance_ratio": 0.0}, 0.0, "new"),
     "place tie 0": ({"place_tie": 0.0}, 0.0, "new"),
-    "place tie 0.5": ({"place_tie": 0.5}, 0.0, "new"),
-    "balance 1.5+1": ({"balance_ratio": 1.5, "balance_abs_s": 1.0}, 0.0, "new"),
-    "balance 3+4": ({"balance_ratio": 3.0, "balance_abs_s": 4.0}, 0.0, "new"),
-    "balance tau 60": ({"balance_tau_s": 60.0}, 0.0, "new"),
 }
 
 

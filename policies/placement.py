@@ -316,15 +316,15 @@ def rendezvous_order(key: bytes, workers: Sequence[WorkerId]) -> dict[WorkerId, 
     return {w: i for i, w in enumerate(sorted(workers, key=lambda w: score[w], reverse=True))}
 
 
-def _headroom(views: Sequence[WorkerView], c: PlacementConfig) -> Callable[[WorkerView], tuple]:
+def _headroom(over: set[WorkerId]) -> Callable[[WorkerView], tuple]:
     """The key that breaks near ties: fewest warm evictions; then not overloaded (its average
     queue wait within ``balance_ratio`` x the least-waiting worker's plus ``balance_abs_s``); then
     the fewest prefix blocks held (the most room for prefixes: private and free blocks are room
     alike, evicting them costs nothing); then the least loaded now; then the coldest victims.
     Prefixes held is what spreads new groups evenly over a cluster whose caches they fill (a
     worker given one more group than the rest evicts the others' prefixes while another's room
-    lies unused; measured: 4/4/2/2 groups where 3/3/3/3 fit, session 11)."""
-    over = _overloaded(views, c)
+    lies unused; measured: 4/4/2/2 groups where 3/3/3/3 fit, session 11). ``over``: the
+    overloaded workers (``_overloaded``)."""
     return lambda v: (v.eviction[0], v.worker in over, v.shared_blocks, v.load, v.eviction[1:], v.rank, v.worker)
 
 
@@ -353,7 +353,8 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
     threshold = max(c.min_match_blocks, c.min_match_fraction * usable_blocks)
     holders = [v for v in views if v.local_blocks >= threshold and v.local_blocks > 0]
     fastest = min(v.ttft_s for v in views)
-    headroom = _headroom(views, c)
+    over = _overloaded(views, c)
+    headroom = _headroom(over)
     if holders:
         best_h_s = min(v.ttft_s for v in holders)
         best_h = min(_within(holders, best_h_s, c.tie_ratio, c.tie_abs_s), key=headroom)
@@ -370,7 +371,7 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
         dominant = best_h.group_share >= c.spill_group_share
         spill = dominant and best_h_s > best_eff * (1 + c.spill_ratio) + c.spill_abs_s
         # an overloaded holder: any group, and no margin ("balance": a spill only overload allows)
-        balance = not spill and best_h.worker in _overloaded(views, c) and best_h_s > best_eff + c.tie_abs_s
+        balance = not spill and best_h.worker in over and best_h_s > best_eff + c.tie_abs_s
         if spill or balance:
             limit = best_eff + max(c.tie_abs_s, c.tie_ratio * best_eff)
             v = min((v for v in views if eff[v.worker] <= limit + 1e-12), key=headroom)
@@ -511,10 +512,11 @@ class Placer:
             ttft = cand.expected_ttft_s if cand is not None else (fallback_ttft or {}).get(w, loads.get(w, 0.0))
             reused = max(have, cand.cached_tokens // block_size) if cand is not None and block_size else None
             elsewhere = self._held_elsewhere(w) if self.config.discount_held_elsewhere else None
-            cost = self.shadow(w).eviction_cost(max(0, new_blocks - have), now, self.config.warm_s, elsewhere)
+            shadow = self.shadow(w)
+            cost = shadow.eviction_cost(max(0, new_blocks - have), now, self.config.warm_s, elsewhere)
             wait = self.observe_wait(w, cand.wait_s, now) if cand is not None else 0.0
             out.append(WorkerView(w, ttft, have, cost, loads.get(w, 0.0), order[w], cand, reused,
-                                  self.group_share(w, groups or {key}), wait, self.shadow(w).shared))
+                                  self.group_share(w, groups or {key}), wait, shadow.shared))
         return out
 
     def group_share(self, worker: WorkerId, keys: set[bytes] | frozenset[bytes]) -> float:

@@ -188,16 +188,7 @@ def test_a_persistently_loaded_holder_hands_a_group_to_an_idle_worker():
     """Three groups on w0, none on w1; w0's queue stays long for a minute: a request of one of its
     groups (no group dominant) moves to w1, by pull, and w1 then holds that group."""
     workers = ["w0", "w1"]
-    cm, placer = _cost_model(workers), Placer()
-    items = shared_prefix(groups=3, users=8, seed=11, shuffle=False)
-    by_group: dict[str, list] = {}
-    for it in items:
-        by_group.setdefault(it.group, []).append(it)
-    a, b, c = by_group.values()
-    for it in (a[0], b[0], c[0]):
-        cm.observe_load("w1", WorkerLoad(waiting_tokens=(4000,)))
-        assert _route(placer, cm, it, workers, {}, {}, now=0.0).worker == "w0"
-    cm.observe_load("w1", WorkerLoad())
+    cm, placer, (a, b, c) = _three_groups_on_w0(workers, users=8)
     idx = {"w0": 592}
     cm.observe_load("w0", WorkerLoad(waiting_tokens=(640,) * 8))  # ~5 s of queue
     assert _route(placer, cm, a[1], workers, idx, {"w0": 5120.0}, now=1.0).kind == "match"  # a queue, once
@@ -248,6 +239,21 @@ def _route(placer, cm, item, workers, holdings, loads, now):
     ranking = cm.rank(len(item.prompt_ids), holdings, workers, pend)
     return placer.decide(item.prompt_ids, item.max_tokens, BS, chains, item.domain, holdings, workers, loads,
                          ranking, now)
+
+
+def _three_groups_on_w0(workers, users):
+    """A cost model and a placer that placed three groups on w0 (w1 made unattractive meanwhile,
+    then idle again); the groups' items."""
+    cm, placer = _cost_model(workers), Placer()
+    by_group: dict[str, list] = {}
+    for it in shared_prefix(groups=3, users=users, seed=11, shuffle=False):
+        by_group.setdefault(it.group, []).append(it)
+    groups = tuple(by_group.values())
+    for g in groups:
+        cm.observe_load("w1", WorkerLoad(waiting_tokens=(4000,)))
+        assert _route(placer, cm, g[0], workers, {}, {}, now=0.0).worker == "w0"
+    cm.observe_load("w1", WorkerLoad())
+    return cm, placer, groups
 
 
 def test_a_burst_of_one_group_stays_on_one_worker_before_anything_is_indexed():
@@ -302,16 +308,7 @@ def test_a_holder_serving_several_groups_keeps_them_and_spills_only_its_dominant
     copies evicted warm groups (placement_openloop --workload steady). A group that made most of
     the holder's recent requests (a hot prefix) still spills."""
     workers = ["w0", "w1"]
-    cm, placer = _cost_model(workers), Placer()
-    items = shared_prefix(groups=3, users=4, seed=11, shuffle=False)
-    by_group: dict[str, list] = {}
-    for it in items:
-        by_group.setdefault(it.group, []).append(it)
-    a, b, c = by_group.values()
-    for it in (a[0], b[0], c[0]):  # three groups on one worker (the other is made unattractive)
-        cm.observe_load("w1", WorkerLoad(waiting_tokens=(4000,)))
-        assert _route(placer, cm, it, workers, {}, {}, now=0.0).worker == "w0"
-    cm.observe_load("w1", WorkerLoad())
+    cm, placer, (a, b, c) = _three_groups_on_w0(workers, users=4)
     idx = {"w0": 592}
     cm.observe_load("w0", WorkerLoad(waiting_tokens=(640,) * 4))  # the holder is clearly slower now
     assert placer.group_share("w1", {_key(a[1])}) == 1.0  # nothing routed there yet: no evidence of other groups
