@@ -391,7 +391,8 @@ def _stage_figures(st: Stage, reqs: list[_Req], t0: float, drained: float, oracl
             "throughput": len(reqs) / max(drained - t0, st.stage_s),
             "ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90), "ttft_p99": percentile(ttft, 99),
             "hit_tokens": hits, "oracle_hit_tokens": best,
-            "per_worker": dict(sorted(Counter(r.worker for r in reqs).items()))}
+            "per_worker": dict(sorted(Counter(r.worker for r in reqs).items())),
+            "groups_per_worker": dict(sorted(Counter(w for w, _ in {(r.worker, r.item.group) for r in reqs}).items()))}
 
 
 # -- the sweep ---------------------------------------------------------------------------------
@@ -418,7 +419,11 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "measured+elsewhere decode=0.5": ({"reuse_prob": None}, 0.5, "new"),
     "any group spills": ({"spill_group_share": 0.0}, 0.0, "new"),  # the rule before session 9
     "s10": ({}, 0.0, "20ae9bd"),  # main at the end of session 10 (before the balance rules)
+    "s11": ({}, 0.0, "e982842"),  # main at the end of session 11 (share of the last 8 requests, balance on)
     "no balance": ({"balance_ratio": 0.0}, 0.0, "new"),
+    "balance on": ({"balance_ratio": 2.0}, 0.0, "new"),  # session 11's overloaded-holder rule
+    "group tau 15": ({"group_tau_s": 15.0}, 0.0, "new"),
+    "group tau 60": ({"group_tau_s": 60.0}, 0.0, "new"),
     "place tie 0": ({"place_tie": 0.0}, 0.0, "new"),
 }
 

@@ -41,14 +41,20 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     relieved by a pull (no compute) before a recompute. A hot group spills to a second worker under load (the cost
     model then chooses between pulling and recomputing there); a near tie never moves a group.
     Only a holder's **dominant group** spills: the prompt's group made at least
-    ``spill_group_share`` of the holder's last ``group_window`` routed requests. A copy of one of
+    ``spill_group_share`` of the requests routed to the holder recently (counts that decay with
+    time constant ``group_tau_s``: a share of the holder's recent traffic, not of its last N
+    requests, so that the requests of groups that stopped coming fade, and so that three equal
+    groups do not read as one dominant one by chance: a window of the last 8 requests did, about
+    one check in ten, and each such spill evicted a warm group). A copy of one of
     several groups does not relieve their holder (the others keep it busy); it takes cache space
     elsewhere, and where the groups' prefixes fill most of the cluster (the cluster bench's
     ``--sweep steady``) such copies evicted warm groups: 2.7x the evictions, 0.92 of the oracle's
     hits (``bench/placement_openloop.py --workload steady``). A hot group is its holder's
     dominant one and spills as before. ``PlacementConfig(spill_ratio=0, spill_abs_s=0,
     evict_weight=0)`` is the plain per-request TTFT choice (``TTFT_ONLY``).
-  * **an overloaded holder lets any group go.** Groups are sticky, so the split of groups over
+  * **an overloaded holder lets any group go** (opt-in, ``balance_ratio`` > 0; off by default:
+    replayed over 30 paired seeds it cost 1-4% on steady groups and gained nothing on hot or
+    fresh ones, the copies it made evicting warm groups). Groups are sticky, so the split of groups over
     workers that their first requests made is the split of the load for as long as they live;
     a worker given one group too many queues while another idles (the cluster bench, session 10:
     engines 63% and 96% busy at the same offered load). Each worker's queue wait (the cost
@@ -75,7 +81,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable, Literal, Mapping, Sequence
 
@@ -109,13 +115,16 @@ class PlacementConfig:
     index_lag_s: float = 30.0  # the index shows a routed prefix within this long (queue + prefill + publish)
     key_blocks: int = 4  # leading blocks that key the rendezvous tie-break (and a prompt's group)
     # a holder is left only for its dominant group: the prompt's group made at least this share of
-    # the holder's last ``group_window`` routed requests (0: any group may spill)
+    # the requests routed to the holder, counted with weights that decay with ``group_tau_s``
+    # (0: any group may spill)
     spill_group_share: float = 0.6
-    group_window: int = 8
+    group_tau_s: float = 30.0
     # ... or the holder is overloaded: its queue wait, averaged over ``balance_tau_s``, exceeds
     # ``balance_ratio`` x the least-waiting worker's average plus ``balance_abs_s`` (ratio 0: never)
+    # (ratio 0, the default: replayed over 30 paired seeds the rule cost 1-4% of throughput at equal
+    # p99 on steady groups and gained nothing on hot or fresh ones; cluster/README, session 12)
     balance_tau_s: float = 30.0
-    balance_ratio: float = 2.0
+    balance_ratio: float = 0.0
     balance_abs_s: float = 2.0
 
 
@@ -399,7 +408,10 @@ class Placer:
         self.placements: Counter[str] = Counter()  # decisions by rule (match | spill | balance | place; -fallback)
         c = self.config
         self.reuse = ReuseEstimate(c.warm_s, c.reuse_prior, c.reuse_window)  # fed by every shadow's evictions
-        self.recent: dict[WorkerId, deque[bytes]] = {}  # per worker, the group keys of its last routed requests
+        # per worker: group key -> its routed requests, decayed to ``_recent_at[worker]``
+        self.recent: dict[WorkerId, dict[bytes, float]] = {}
+        self._recent_at: dict[WorkerId, float] = {}
+        self._recent_total: dict[WorkerId, float] = {}
         self._wait: dict[WorkerId, tuple[float, float, float]] = {}  # per worker: average, last sample, its time
 
     @property
@@ -420,6 +432,8 @@ class Placer:
     def remove(self, worker: WorkerId) -> None:
         self.shadows.pop(worker, None)
         self._wait.pop(worker, None)
+        for d in (self.recent, self._recent_at, self._recent_total):
+            d.pop(worker, None)
 
     def observe_wait(self, worker: WorkerId, wait_s: float, now: float) -> float:
         """Fold a sample of ``worker``'s queue wait into its time average (each sample holds until
@@ -471,7 +485,7 @@ class Placer:
             return None
         prefill = full_prefill_s(ranking, prompt) if ranking else PROXY_TOKEN_S * prompt
         placed = choose(views, usable, prefill, self.config, self.reuse_p)
-        self.recent.setdefault(placed.worker, deque(maxlen=self.config.group_window)).append(key)
+        self.count_routed(placed.worker, key, now)
         self.placements[placed.kind if ranking else f"{placed.kind}-fallback"] += 1
         if reuse:
             self.commit(placed.worker, own, max(0, total - len(own)), now)
@@ -516,17 +530,41 @@ class Placer:
             cost = shadow.eviction_cost(max(0, new_blocks - have), now, self.config.warm_s, elsewhere)
             wait = self.observe_wait(w, cand.wait_s, now) if cand is not None else 0.0
             out.append(WorkerView(w, ttft, have, cost, loads.get(w, 0.0), order[w], cand, reused,
-                                  self.group_share(w, groups or {key}), wait, shadow.shared))
+                                  self.group_share(w, groups or {key}, now), wait, shadow.shared))
         return out
 
-    def group_share(self, worker: WorkerId, keys: set[bytes] | frozenset[bytes]) -> float:
-        """The share of ``worker``'s last ``group_window`` routed requests that were of the prompt's
-        group: the best over ``keys``, the prompt's ``leading_key`` under each domain it may read
-        (a grantee's prompt is of the owner's group where it reads the owner's blocks). 1 when
-        nothing was routed there yet (a holder this router never fed: nothing says it serves
-        other groups)."""
-        recent = self.recent.get(worker)
-        return max(recent.count(k) for k in keys) / len(recent) if recent else 1.0
+    def count_routed(self, worker: WorkerId, key: bytes, now: float) -> None:
+        """A request of group ``key`` was routed to ``worker`` at ``now``. Weights are kept in a
+        frame that starts at ``_recent_at[worker]`` (a request at t weighs exp((t - start) /
+        group_tau_s)), so that shares need no decay step; the frame moves on (and groups whose
+        weight fell under 1% of a request are forgotten) once weights grow past e^10."""
+        tau = max(self.config.group_tau_s, 1e-9)
+        counts = self.recent.setdefault(worker, {})
+        start = self._recent_at.setdefault(worker, now)
+        x = (now - start) / tau
+        if x > 10.0:
+            f = math.exp(-x)
+            self.recent[worker] = counts = {k: v * f for k, v in counts.items() if v * f >= 0.01}
+            self._recent_total[worker] = sum(counts.values())
+            self._recent_at[worker], x = now, 0.0
+        w = math.exp(max(x, 0.0))
+        counts[key] = counts.get(key, 0.0) + w
+        self._recent_total[worker] = self._recent_total.get(worker, 0.0) + w
+
+    def group_share(self, worker: WorkerId, keys: set[bytes] | frozenset[bytes], now: float) -> float:
+        """The share of the requests routed to ``worker`` lately (weights decaying with
+        ``group_tau_s``) that were of the prompt's group: the best over ``keys``, the prompt's
+        ``leading_key`` under each domain it may read (a grantee's prompt is of the owner's group
+        where it reads the owner's blocks). 1 when nothing was routed there lately (a holder this
+        router never fed, or not for a long time: nothing says it serves other groups)."""
+        counts = self.recent.get(worker)
+        if not counts:
+            return 1.0
+        total = self._recent_total[worker]
+        tau = max(self.config.group_tau_s, 1e-9)
+        if total * math.exp(-(now - self._recent_at[worker]) / tau) < 0.01:
+            return 1.0  # nothing routed there for many time constants
+        return max(counts.get(k, 0.0) for k in keys) / total
 
     def _held_elsewhere(self, worker: WorkerId) -> Callable[[Hashable], bool]:
         others = [s for w, s in self.shadows.items() if w != worker]

@@ -149,26 +149,31 @@ def test_new_groups_go_where_the_fewest_prefixes_live_not_to_a_slightly_faster_h
     assert choose([fast_full, replace(slow_roomy, eviction=(5, 1, -1.0))], 39, 3.0).worker == "w0"
 
 
+BALANCE = PlacementConfig(balance_ratio=2.0)  # session 11's overloaded-holder rule (opt-in)
+
+
 def test_an_overloaded_holder_spills_any_of_its_groups_and_without_the_margin():
-    """Groups stay with their holder; only a dominant group spilled on a queue (session 9). A
-    holder whose queue wait stays high on average (a persistent share of the load, not a burst)
-    while another worker's stays low lets any of its groups spill, as soon as the option is faster."""
+    """Groups stay with their holder; only a dominant group spills on a queue (session 9). With
+    ``balance_ratio`` set, a holder whose queue wait stays high on average (a persistent share of
+    the load, not a burst) while another worker's stays low lets any of its groups spill, as soon
+    as the option is faster. Off by default."""
     holder = WorkerView("w0", 6.0, 37, (0, 0, -2.0), group_share=1 / 3, wait_avg_s=8.0)
     pull = WorkerView("w1", 1.0, 0, (0, 0, -40.0), reused_blocks=37, wait_avg_s=0.5)
-    p = choose([holder, pull], 39, 3.0)
+    p = choose([holder, pull], 39, 3.0, BALANCE)
     assert (p.worker, p.kind) == ("w1", "balance")
     busy_now = replace(holder, wait_avg_s=2.0)  # 2.0 <= 2 x 0.5 + 2: a queue now, not a share
-    assert choose([busy_now, pull], 39, 3.0).kind == "match"
-    assert choose([holder, pull], 39, 3.0, PlacementConfig(balance_ratio=0.0)).kind == "match"
+    assert choose([busy_now, pull], 39, 3.0, BALANCE).kind == "match"
+    assert choose([holder, pull], 39, 3.0).kind == "match"  # the default: one group of three stays
     # the margin: a dominant group's holder 1.2 s against a 1.0 s pull stays unless overloaded
     dominant = WorkerView("w0", 1.2, 37, (0, 0, -2.0), group_share=1.0, wait_avg_s=1.0)
-    assert choose([dominant, pull], 39, 3.0).kind == "match"
-    assert choose([replace(dominant, wait_avg_s=5.0), pull], 39, 3.0).kind == "balance"
-    assert choose([replace(dominant, ttft_s=2.0, wait_avg_s=5.0), pull], 39, 3.0).kind == "spill"  # beyond it
+    assert choose([dominant, pull], 39, 3.0, BALANCE).kind == "match"
+    assert choose([replace(dominant, wait_avg_s=5.0), pull], 39, 3.0, BALANCE).kind == "balance"
+    assert choose([replace(dominant, wait_avg_s=5.0), pull], 39, 3.0).kind == "match"
+    assert choose([replace(dominant, ttft_s=2.0, wait_avg_s=5.0), pull], 39, 3.0, BALANCE).kind == "spill"
     # an overloaded worker is not where a new prefix goes when another is as fast
     fresh = [WorkerView("w0", 3.0, 0, (0, 0, -50.0), wait_avg_s=8.0), WorkerView("w1", 3.1, 0, (0, 0, -5.0),
                                                                            shared_blocks=60, wait_avg_s=0.5)]
-    assert choose(fresh, 39, 3.0).worker == "w1"
+    assert choose(fresh, 39, 3.0, BALANCE).worker == "w1"
 
 
 def test_the_placer_averages_each_workers_queue_wait_over_time():
@@ -185,10 +190,11 @@ def test_the_placer_averages_each_workers_queue_wait_over_time():
 
 
 def test_a_persistently_loaded_holder_hands_a_group_to_an_idle_worker():
-    """Three groups on w0, none on w1; w0's queue stays long for a minute: a request of one of its
-    groups (no group dominant) moves to w1, by pull, and w1 then holds that group."""
+    """With the balance rule on: three groups on w0, none on w1; w0's queue stays long for a
+    minute: a request of one of its groups (no group dominant) moves to w1, by pull, and w1 then
+    holds that group."""
     workers = ["w0", "w1"]
-    cm, placer, (a, b, c) = _three_groups_on_w0(workers, users=8)
+    cm, placer, (a, b, c) = _three_groups_on_w0(workers, users=8, config=BALANCE)
     idx = {"w0": 592}
     cm.observe_load("w0", WorkerLoad(waiting_tokens=(640,) * 8))  # ~5 s of queue
     assert _route(placer, cm, a[1], workers, idx, {"w0": 5120.0}, now=1.0).kind == "match"  # a queue, once
@@ -197,6 +203,29 @@ def test_a_persistently_loaded_holder_hands_a_group_to_an_idle_worker():
     p = _route(placer, cm, a[2], workers, idx, {"w0": 5120.0}, now=60.0)
     assert (p.worker, p.kind) == ("w1", "balance") and p.candidate.kind == "pulled"
     assert placer.shadow("w1").match(prompt_chains(a[3].prompt_ids, BS, "m", [a[3].domain])[a[3].domain]) >= 37
+
+
+def test_a_groups_share_of_its_holders_traffic_fades_with_time():
+    """The dominance test reads the holder's recent traffic: requests count with weights that
+    decay with ``group_tau_s``, so a group that stopped coming stops holding a share (a new hot
+    group is dominant within a few requests), and the frame the weights live in moves on without
+    changing any share."""
+    placer = Placer(PlacementConfig(group_tau_s=10.0))
+    for k in range(8):
+        placer.count_routed("w", b"old", float(k))
+    assert placer.group_share("w", {b"new"}, 8.0) == 0.0
+    for t in (60.0, 61.0, 62.0):  # six time constants later: the old group's 8 weigh < 0.02
+        placer.count_routed("w", b"new", t)
+    assert placer.group_share("w", {b"new"}, 62.0) > 0.99
+    # equal traffic of three groups is a third each, however long it runs (the frame moves on)
+    for k in range(300):
+        placer.count_routed("v", (b"a", b"b", b"c")[k % 3], 1.0 * k)
+    assert placer.group_share("v", {b"a"}, 299.0) == pytest.approx(1 / 3, abs=0.05)
+    assert len(placer.recent["v"]) == 3
+    # long silence: no evidence of other groups
+    assert placer.group_share("v", {b"z"}, 299.0 + 200.0) == 1.0
+    placer.remove("v")
+    assert placer.group_share("v", {b"a"}, 600.0) == 1.0
 
 
 def test_small_matches_do_not_count_as_holders():
@@ -241,10 +270,10 @@ def _route(placer, cm, item, workers, holdings, loads, now):
                          ranking, now)
 
 
-def _three_groups_on_w0(workers, users):
+def _three_groups_on_w0(workers, users, config=None):
     """A cost model and a placer that placed three groups on w0 (w1 made unattractive meanwhile,
     then idle again); the groups' items."""
-    cm, placer = _cost_model(workers), Placer()
+    cm, placer = _cost_model(workers), Placer(config)
     by_group: dict[str, list] = {}
     for it in shared_prefix(groups=3, users=users, seed=11, shuffle=False):
         by_group.setdefault(it.group, []).append(it)
@@ -311,15 +340,15 @@ def test_a_holder_serving_several_groups_keeps_them_and_spills_only_its_dominant
     cm, placer, (a, b, c) = _three_groups_on_w0(workers, users=4)
     idx = {"w0": 592}
     cm.observe_load("w0", WorkerLoad(waiting_tokens=(640,) * 4))  # the holder is clearly slower now
-    assert placer.group_share("w1", {_key(a[1])}) == 1.0  # nothing routed there yet: no evidence of other groups
-    assert placer.group_share("w0", {_key(a[1])}) == pytest.approx(1 / 3)
+    assert placer.group_share("w1", {_key(a[1])}, 1.0) == 1.0  # nothing routed there yet: no evidence of other groups
+    assert placer.group_share("w0", {_key(a[1])}, 1.0) == pytest.approx(1 / 3)
     p = _route(placer, cm, a[1], workers, idx, {"w0": 2560.0}, now=1.0)
     assert (p.worker, p.kind) == ("w0", "match")  # one group of three: it stays
-    # the same queue, but the holder's recent requests are all of group a: it spills
-    for it in a[2:]:
-        placer.recent["w0"].extend([_key(it)] * 8)
-    assert placer.group_share("w0", {_key(a[2])}) == 1.0
-    p = _route(placer, cm, a[2], workers, idx, {"w0": 2560.0}, now=2.0)
+    # the same queue, but the holder's traffic of the last minutes is group a's: it spills
+    for k in range(12):
+        placer.count_routed("w0", _key(a[2]), 10.0 + 10 * k)
+    assert placer.group_share("w0", {_key(a[2])}, 120.0) > 0.9
+    p = _route(placer, cm, a[2], workers, idx, {"w0": 2560.0}, now=120.0)
     assert (p.worker, p.kind) == ("w1", "spill")
     # spill_group_share 0: any group may spill (the rule before)
     old = Placer(PlacementConfig(spill_group_share=0.0))
