@@ -425,6 +425,7 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "group tau 15": ({"group_tau_s": 15.0}, 0.0, "new"),
     "group tau 60": ({"group_tau_s": 60.0}, 0.0, "new"),
     "place tie 0": ({"place_tie": 0.0}, 0.0, "new"),
+    "decode places": ({"place_counts_decode": True}, 0.0, "new"),
 }
 
 

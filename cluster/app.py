@@ -92,8 +92,9 @@ class AppSettings:
     guarded_steps_alone: bool = True
     interrupt_for_guarded: bool = True
     # the router learns, per worker, the wait each decoding sequence adds to a new request's TTFT
-    # (policies.routing.DecodeModel); false (default): it charges nothing for decoding sequences
-    router_learn_decode: bool = False
+    # (policies.routing.DecodeModel), so a busy holder's dominant group spills; false: it charges
+    # nothing for decoding sequences (cluster/README, Placement, sessions 8 and 13)
+    router_learn_decode: bool = True
 
     def __post_init__(self):
         if self.metrics_auth not in ("none", "admin"):

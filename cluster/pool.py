@@ -81,7 +81,7 @@ class PoolConfig:
     # Route by the global index + router actor's TTFT model (pull / local / recompute). Off:
     # least-loaded routing and no index/router actors.
     cost_aware_routing: bool = True
-    router_learn_decode: bool = False  # CostConfig.learn_decode of the router actor this pool creates
+    router_learn_decode: bool = True  # CostConfig.learn_decode of the router actor this pool creates
     probe_interval_s: float = 30.0  # light link probes between workers on different nodes (0: off)
     health_interval_s: float = 2.0  # engine/actor death watch per worker (0: off); its retry delay
     health_timeout_s: float = 10.0  # a slower answer is not a death (unreachable != dead)

@@ -64,6 +64,16 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     its groups spills, and without the spill margin (a persistent queue pays back a copy many
     times; a pull costs a transfer); such a decision counts as ``balance``. The copy then holds the group too, and the match rule sends
     the group's requests to whichever holder is faster.
+  * **decoding sequences move groups, they do not place them.** The cost model's decode term
+    (``Candidate.decode_wait_s``, learned per worker when ``CostConfig.learn_decode``) is how much
+    longer a busy worker's steps make a new request wait. It counts in the holder rules above: a
+    hot holder whose cost is decode rows, not queued prompts, looked idle without it, and its
+    group never left it (the cluster bench, session 12: 69 of 75 hot requests on one worker while
+    another idled). A new prefix is placed on TTFTs without it (``place_counts_decode`` counts
+    it): where a group lands is its home for as long as it lives, and the sequences decoding now
+    finish in seconds; counted, the term scattered new groups by the moment's decode load and cost
+    4-7% of the throughput at the highest replayed rates (0.04-0.06 req/s; cluster/README,
+    Placement, session 13).
   * ties within ``tie_ratio``/``tie_abs_s`` of the best TTFT (for a new prefix, also within
     ``place_tie`` x its own prefill: where a group lands decides where its later requests go, so
     a host 10% faster now is worth less than balance) are broken by headroom: fewest warm
@@ -126,6 +136,11 @@ class PlacementConfig:
     balance_tau_s: float = 30.0
     balance_ratio: float = 0.0
     balance_abs_s: float = 2.0
+    # a new prefix is placed on TTFTs without the cost model's decode term (``Candidate.decode_wait_s``):
+    # that term prices how much longer a busy worker's steps are, which decides which holder serves a
+    # hit and whether a dominant group leaves a busy holder; a new group's home is chosen for the
+    # long run (its cache room, its share of the load), not for the sequences decoding right now
+    place_counts_decode: bool = False
 
 
 TTFT_ONLY = PlacementConfig(spill_ratio=0.0, spill_abs_s=0.0, evict_weight=0.0, compute_weight=0.0)
@@ -302,6 +317,7 @@ class WorkerView:
     group_share: float = 1.0  # the prompt's group's share of its recently routed requests
     wait_avg_s: float = 0.0  # its queue wait (the cost model's), averaged over ``balance_tau_s``
     shared_blocks: int = 0  # blocks of prefixes it holds (its shadow cache's, private blocks not counted)
+    decode_s: float = 0.0  # the part of ``ttft_s`` charged for sequences decoding there (``Candidate.decode_wait_s``)
 
     @property
     def reused(self) -> int:
@@ -361,7 +377,6 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
     charge = c.evict_weight * p * block_s  # expected recompute, per warm block evicted
     threshold = max(c.min_match_blocks, c.min_match_fraction * usable_blocks)
     holders = [v for v in views if v.local_blocks >= threshold and v.local_blocks > 0]
-    fastest = min(v.ttft_s for v in views)
     over = _overloaded(views, c)
     headroom = _headroom(over)
     if holders:
@@ -386,11 +401,15 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
             v = min((v for v in views if eff[v.worker] <= limit + 1e-12), key=headroom)
             return Placement(v.worker, "spill" if spill else "balance", v)
         return Placement(best_h.worker, "match", best_h)
-    # a new prefix: its own TTFT plus the expected recompute of the warm blocks it evicts
-    # (p(reuse) x their prefill), among the workers within the slack of the fastest; ties (within
-    # place_tie x its prefill too) by headroom (warm evictions, overload, prefixes held, load)
-    eligible = _within(views, fastest, 0.0, max(c.place_abs_s, c.place_slack * prompt_prefill_s))
-    cost = {v.worker: v.ttft_s + charge * v.eviction[0] for v in eligible}
+    # a new prefix: its own TTFT (without the decode term unless ``place_counts_decode``) plus the
+    # expected recompute of the warm blocks it evicts (p(reuse) x their prefill), among the workers
+    # within the slack of the fastest; ties (within place_tie x its prefill too) by headroom (warm
+    # evictions, overload, prefixes held, load)
+    ttft = {v.worker: v.ttft_s - (0.0 if c.place_counts_decode else v.decode_s) for v in views}
+    fastest = min(ttft.values())
+    slack = max(c.place_abs_s, c.place_slack * prompt_prefill_s)
+    eligible = [v for v in views if ttft[v.worker] <= fastest + slack + 1e-12]
+    cost = {v.worker: ttft[v.worker] + charge * v.eviction[0] for v in eligible}
     best = min(cost.values())
     limit = best + max(c.tie_abs_s, c.tie_ratio * best, c.place_tie * prompt_prefill_s)
     v = min((v for v in eligible if cost[v.worker] <= limit + 1e-12), key=headroom)
@@ -530,7 +549,8 @@ class Placer:
             cost = shadow.eviction_cost(max(0, new_blocks - have), now, self.config.warm_s, elsewhere)
             wait = self.observe_wait(w, cand.wait_s, now) if cand is not None else 0.0
             out.append(WorkerView(w, ttft, have, cost, loads.get(w, 0.0), order[w], cand, reused,
-                                  self.group_share(w, groups or {key}, now), wait, shadow.shared))
+                                  self.group_share(w, groups or {key}, now), wait, shadow.shared,
+                                  cand.decode_wait_s if cand is not None else 0.0))
         return out
 
     def count_routed(self, worker: WorkerId, key: bytes, now: float) -> None:

@@ -54,8 +54,8 @@ def test_the_routers_decode_learning_is_an_app_argument_that_reaches_the_pool():
     from policies.tenancy import Tenants
 
     tenants = Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})
-    assert pool_config(AppSettings.from_args({}), tenants).router_learn_decode is False
-    assert pool_config(AppSettings.from_args({"router_learn_decode": True}), tenants).router_learn_decode is True
+    assert pool_config(AppSettings.from_args({}), tenants).router_learn_decode is True
+    assert pool_config(AppSettings.from_args({"router_learn_decode": False}), tenants).router_learn_decode is False
 
 
 @pytest.mark.parametrize("name", ["ray-up-local.yaml", "ray-up-aws-gpu.yaml"])

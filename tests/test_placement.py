@@ -361,6 +361,35 @@ def test_a_holder_serving_several_groups_keeps_them_and_spills_only_its_dominant
     assert _route(old, cm, a[1], workers, idx, {"w0": 2560.0}, now=1.0).kind == "spill"
 
 
+def test_decoding_sequences_move_a_hot_group_but_do_not_decide_a_new_groups_home():
+    """The cost model's decode term (learned, ``learn_decode``) prices how much longer a busy
+    worker's steps are. It counts where a holder's dominant group is served: a hot holder whose
+    cost is 8 decoding sequences (no queue) lets the group go once the term is learned (without
+    it the hot group never left its holder on the cluster bench, session 12). A new prefix's home is chosen
+    for the long run, on TTFTs without the term (``place_counts_decode`` counts it)."""
+    workers = ["w0", "w1"]
+    cm = CostModel(CostConfig(block_size=BS, prefill_prior=PrefillPrior(a=0.02, b=1.0, c=0.0), learn_decode=True))
+    for w in workers:
+        cm.register(w, w)
+    placer = Placer()
+    items = shared_prefix(groups=1, users=6, seed=7)
+    h = _route(placer, cm, items[0], workers, {}, {}, now=0.0).worker
+    other = "w1" if h == "w0" else "w0"
+    idx = {h: 592}
+    cm.observe_load(h, WorkerLoad(running=8))
+    assert _route(placer, cm, items[1], workers, idx, {}, now=1.0).kind == "match"  # decoding is free until learned
+    for i in range(24):
+        running = (0, 2, 4, 8)[i % 4]
+        cm.observe_outcome(h, running, 0.1, 0.1 + 0.3 * running)
+    p = _route(placer, cm, items[2], workers, idx, {}, now=2.0)
+    assert (p.worker, p.kind) == (other, "spill")
+    # a new prefix: equal TTFTs but for w0's decode term; w0 holds fewer prefixes
+    decoding_roomy = WorkerView("w0", 2.9, 0, (0, 0, -20.0), shared_blocks=0, decode_s=2.4)
+    idle_fuller = WorkerView("w1", 0.5, 0, (0, 0, -20.0), shared_blocks=37)
+    assert choose([decoding_roomy, idle_fuller], 39, 0.5).worker == "w0"
+    assert choose([decoding_roomy, idle_fuller], 39, 0.5, PlacementConfig(place_counts_decode=True)).worker == "w1"
+
+
 def _key(item):
     from policies.placement import leading_key
 
