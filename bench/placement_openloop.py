@@ -426,6 +426,8 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "group tau 60": ({"group_tau_s": 60.0}, 0.0, "new"),
     "place tie 0": ({"place_tie": 0.0}, 0.0, "new"),
     "decode places": ({"place_counts_decode": True}, 0.0, "new"),
+    "pull charge 1": ({"spill_pull_charge": 1.0}, 0.0, "new"),
+    "pull charge 0": ({"spill_pull_charge": 0.0}, 0.0, "new"),
 }
 
 

@@ -38,7 +38,9 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     is expected to cost): a copy takes cache space that other groups may need. A recompute copy is
     also charged the prefill it repeats (the blocks the holder would reuse, ``compute_weight``):
     compute spent twice is compute another request waits for, so under load a busy holder is
-    relieved by a pull (no compute) before a recompute. A hot group spills to a second worker under load (the cost
+    relieved by a pull (no compute) before a recompute. A pull is charged ``spill_pull_charge``
+    (half) of its transfer: the copy serves the group's later requests locally, the transfer is
+    paid once. A hot group spills to a second worker under load (the cost
     model then chooses between pulling and recomputing there); a near tie never moves a group.
     Only a holder's **dominant group** spills: the prompt's group made at least
     ``spill_group_share`` of the requests routed to the holder recently (counts that decay with
@@ -141,6 +143,10 @@ class PlacementConfig:
     # hit and whether a dominant group leaves a busy holder; a new group's home is chosen for the
     # long run (its cache room, its share of the load), not for the sequences decoding right now
     place_counts_decode: bool = False
+    # a spill by pull is charged this share of its transfer: the copy it makes serves the group's
+    # later requests locally, so the transfer is paid once (1: a hot group never reached a worker
+    # behind a slow link, where a pull takes ~2 s; cluster/README, Placement, session 13)
+    spill_pull_charge: float = 0.5
 
 
 TTFT_ONLY = PlacementConfig(spill_ratio=0.0, spill_abs_s=0.0, evict_weight=0.0, compute_weight=0.0)
@@ -365,6 +371,10 @@ def _within(views: Sequence[WorkerView], best_s: float, ratio: float, abs_s: flo
     return [v for v in views if v.ttft_s <= limit + 1e-12]
 
 
+def _pull_s(v: WorkerView) -> float:
+    return v.candidate.pull_s if v.candidate is not None and v.candidate.kind == "pulled" else 0.0
+
+
 def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: float,
            config: PlacementConfig = PlacementConfig(), reuse_p: float | None = None) -> Placement:
     """The worker for one request (see the module docstring for the rules). ``reuse_p``: the
@@ -390,7 +400,8 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
         # is their delay), so a recompute copy must win by its own prefill too; a pull computes
         # nothing and pays only its transfer (in its TTFT).
         eff = {v.worker: v.ttft_s + charge * v.eviction[0]
-               + c.compute_weight * max(0, best_h.reused - v.reused) * block_s for v in views}
+               + c.compute_weight * max(0, best_h.reused - v.reused) * block_s
+               - (1.0 - c.spill_pull_charge) * _pull_s(v) for v in views}
         best_eff = min(eff.values())
         dominant = best_h.group_share >= c.spill_group_share
         spill = dominant and best_h_s > best_eff * (1 + c.spill_ratio) + c.spill_abs_s

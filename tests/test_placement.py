@@ -14,7 +14,7 @@ from bench.workloads import shared_prefix
 from engine.block_pool import prompt_chains
 from policies.placement import (TTFT_ONLY, PlacementConfig, Placer, ShadowCache, WorkerView, choose,
                                 rendezvous_order)
-from policies.routing import CostConfig, CostModel, PrefillPrior, WorkerLoad
+from policies.routing import Candidate, CostConfig, CostModel, PrefillPrior, WorkerLoad
 
 BS = 16
 
@@ -133,6 +133,21 @@ def test_a_recompute_copy_is_charged_the_prefill_it_repeats_a_pull_is_not():
     assert choose([holder, recompute], 39, 0.6, PlacementConfig(compute_weight=0.0)).kind == "spill"
     # a holder far enough behind still spills to a recompute
     assert choose([view("w0", 2.5, local=37), recompute], 39, 0.6).kind == "spill"
+
+
+def test_a_spills_pull_is_charged_half_its_transfer_a_recompute_has_none_to_discount():
+    """A copy made by pull serves the group's later requests locally: its transfer is paid once,
+    so a dominant group's spill charges it at ``spill_pull_charge`` (0.5). On the cluster bench
+    the hot group never reached the worker behind the 100 Mbit/s link (a 2 s pull) at full
+    charge (session 13)."""
+    holder = view("w0", 2.2, local=37)
+    slow_pull = WorkerView("w1", 2.3, 0, (0, 0, -40.0), reused_blocks=37,
+                           candidate=Candidate("w1", "pulled", 2.3, 0.0, 0.3, 2.0, 0, 592))
+    assert choose([holder, slow_pull], 39, 0.6).kind == "spill"  # 2.2 > (2.3 - 1.0) x 1.5 + 0.05
+    assert choose([holder, slow_pull], 39, 0.6, PlacementConfig(spill_pull_charge=1.0)).kind == "match"
+    recompute = WorkerView("w1", 2.3, 0, (0, 0, -40.0), reused_blocks=37,
+                           candidate=Candidate("w1", "recomputed", 2.3, 0.0, 2.3, 0.0, 0, 0))
+    assert choose([holder, recompute], 39, 0.6).kind == "match"  # no transfer to discount
 
 
 def test_new_groups_go_where_the_fewest_prefixes_live_not_to_a_slightly_faster_host():
