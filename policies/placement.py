@@ -323,11 +323,20 @@ class WorkerView:
     group_share: float = 1.0  # the prompt's group's share of its recently routed requests
     wait_avg_s: float = 0.0  # its queue wait (the cost model's), averaged over ``balance_tau_s``
     shared_blocks: int = 0  # blocks of prefixes it holds (its shadow cache's, private blocks not counted)
-    decode_s: float = 0.0  # the part of ``ttft_s`` charged for sequences decoding there (``Candidate.decode_wait_s``)
 
     @property
     def reused(self) -> int:
         return self.local_blocks if self.reused_blocks is None else self.reused_blocks
+
+    @property
+    def decode_s(self) -> float:
+        """The part of ``ttft_s`` charged for sequences decoding there."""
+        return self.candidate.decode_wait_s if self.candidate is not None else 0.0
+
+    @property
+    def pull_s(self) -> float:
+        """The transfer in ``ttft_s`` when its option is a pull."""
+        return self.candidate.pull_s if self.candidate is not None and self.candidate.kind == "pulled" else 0.0
 
 
 @dataclass(frozen=True)
@@ -371,10 +380,6 @@ def _within(views: Sequence[WorkerView], best_s: float, ratio: float, abs_s: flo
     return [v for v in views if v.ttft_s <= limit + 1e-12]
 
 
-def _pull_s(v: WorkerView) -> float:
-    return v.candidate.pull_s if v.candidate is not None and v.candidate.kind == "pulled" else 0.0
-
-
 def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: float,
            config: PlacementConfig = PlacementConfig(), reuse_p: float | None = None) -> Placement:
     """The worker for one request (see the module docstring for the rules). ``reuse_p``: the
@@ -401,7 +406,7 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
         # nothing and pays only its transfer (in its TTFT).
         eff = {v.worker: v.ttft_s + charge * v.eviction[0]
                + c.compute_weight * max(0, best_h.reused - v.reused) * block_s
-               - (1.0 - c.spill_pull_charge) * _pull_s(v) for v in views}
+               - (1.0 - c.spill_pull_charge) * v.pull_s for v in views}
         best_eff = min(eff.values())
         dominant = best_h.group_share >= c.spill_group_share
         spill = dominant and best_h_s > best_eff * (1 + c.spill_ratio) + c.spill_abs_s
@@ -560,8 +565,7 @@ class Placer:
             cost = shadow.eviction_cost(max(0, new_blocks - have), now, self.config.warm_s, elsewhere)
             wait = self.observe_wait(w, cand.wait_s, now) if cand is not None else 0.0
             out.append(WorkerView(w, ttft, have, cost, loads.get(w, 0.0), order[w], cand, reused,
-                                  self.group_share(w, groups or {key}, now), wait, shadow.shared,
-                                  cand.decode_wait_s if cand is not None else 0.0))
+                                  self.group_share(w, groups or {key}, now), wait, shadow.shared))
         return out
 
     def count_routed(self, worker: WorkerId, key: bytes, now: float) -> None:

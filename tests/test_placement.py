@@ -399,7 +399,8 @@ def test_decoding_sequences_move_a_hot_group_but_do_not_decide_a_new_groups_home
     p = _route(placer, cm, items[2], workers, idx, {}, now=2.0)
     assert (p.worker, p.kind) == (other, "spill")
     # a new prefix: equal TTFTs but for w0's decode term; w0 holds fewer prefixes
-    decoding_roomy = WorkerView("w0", 2.9, 0, (0, 0, -20.0), shared_blocks=0, decode_s=2.4)
+    decoding_roomy = WorkerView("w0", 2.9, 0, (0, 0, -20.0), shared_blocks=0,
+                                candidate=Candidate("w0", "recomputed", 2.9, 2.4, 0.5, 0.0, 0, 0, decode_wait_s=2.4))
     idle_fuller = WorkerView("w1", 0.5, 0, (0, 0, -20.0), shared_blocks=37)
     assert choose([decoding_roomy, idle_fuller], 39, 0.5).worker == "w0"
     assert choose([decoding_roomy, idle_fuller], 39, 0.5, PlacementConfig(place_counts_decode=True)).worker == "w1"
