@@ -67,12 +67,12 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        """The engine loop runs (False for good once it died)."""
-        return self._error is None and self._thread.is_alive()
+        """The engine loop runs (False for good once it died, or once ``die`` ordered its end)."""
+        return self._error is None and self._kill is None and self._thread.is_alive()
 
     @property
     def error(self) -> BaseException | None:
-        return self._error
+        return self._error if self._error is not None else self._kill
 
     def die(self, exc: BaseException) -> None:
         """Fault injection: end the engine loop with ``exc`` as if a step had raised it fatally."""
@@ -109,6 +109,9 @@ class AsyncEngine:
                 except queue.Empty:
                     cmd = None
                 while cmd is not None:
+                    if self._kill is not None:  # ordered to die: this command fails with the rest
+                        self._commands.put(cmd)
+                        raise self._kill
                     cmd[0]()
                     try:
                         cmd = self._commands.get_nowait()
@@ -183,8 +186,8 @@ class AsyncEngine:
         """Run ``fn(engine)`` on the engine thread; await the result (EngineDead once the loop died)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        if self._error is not None:
-            fut.set_exception(EngineDead(f"engine loop died: {self._error!r}"))
+        if not self.alive:
+            fut.set_exception(EngineDead(f"engine loop died: {self.error!r}" if self.error else "engine loop stopped"))
             return fut
 
         def run():

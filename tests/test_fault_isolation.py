@@ -187,3 +187,21 @@ async def test_dead_loop_fails_waiters_and_every_later_call_at_once(tiny_model):
                 pass
     finally:
         eng.shutdown()
+
+
+async def test_an_ordered_death_is_seen_at_once_and_fails_calls_queued_before_it(tiny_model):
+    # CI saw health() answer "alive" right after die(): the loop ran the queued call before its
+    # next kill check. A call queued behind a long step, then die(): the call must fail.
+    eng = AsyncEngine(CFG, loaded=tiny_model)
+    try:
+        eng.stall(0.3)
+        await asyncio.sleep(0.05)
+        queued = eng.call(lambda e: e.stats())
+        eng.die(RuntimeError("simulated"))
+        assert not eng.alive and isinstance(eng.error, RuntimeError)
+        with pytest.raises(EngineDead):
+            await asyncio.wait_for(eng.call(lambda e: e.stats()), 5)
+        with pytest.raises(EngineDead):
+            await asyncio.wait_for(queued, 5)
+    finally:
+        eng.shutdown()
