@@ -230,7 +230,8 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.release(seq)
         seq.num_computed = 0
-        seq.num_cached = 0
+        if not seq.num_output:
+            seq.num_cached = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -114,9 +114,13 @@ def test_preemption_under_a_small_pool_keeps_outputs(tiny_model):
     reqs = lambda: [Request(f"r{i}", prompt(i, 60), SamplingParams(max_tokens=40, temperature=0)) for i in range(5)]  # noqa: E731
     ref = {k: output_ids(v) for k, v in tiny_engine(tiny_model, num_blocks=128).generate(reqs()).items()}
     small = tiny_engine(tiny_model, num_blocks=12)  # 5 x 100 tokens need 35 blocks
-    got = {k: output_ids(v) for k, v in small.generate(reqs()).items()}
+    outs = small.generate(reqs())
+    got = {k: output_ids(v) for k, v in outs.items()}
     assert got == ref
     assert small.scheduler.num_preemptions > 0
+    # distinct prompts: nothing of any prompt was reused, also after a preempted sequence was
+    # resumed on its own cached blocks (it reported them as cached prompt tokens, > the prompt)
+    assert all(o.num_cached_tokens == 0 for v in outs.values() for o in v)
     assert_pool_clean(small)
 
 
