@@ -95,6 +95,9 @@ class AppSettings:
     # (policies.routing.DecodeModel), so a busy holder's dominant group spills; false: it charges
     # nothing for decoding sequences (cluster/README, Placement, sessions 8 and 13)
     router_learn_decode: bool = True
+    # a prefix block reused within this many seconds is evicted after requests' unshared tails
+    # (EngineConfig.cache_protect_s, policies/eviction.py); 0: plain LRU
+    cache_protect_s: float = 60.0
 
     def __post_init__(self):
         if self.metrics_auth not in ("none", "admin"):
@@ -103,6 +106,8 @@ class AppSettings:
             raise ValueError("reject_delay_s and reject_delay_max_held must be >= 0")
         if self.low_priority_prefill_tokens < 1:
             raise ValueError("low_priority_prefill_tokens must be >= 1")
+        if self.cache_protect_s < 0:
+            raise ValueError("cache_protect_s must be >= 0 (0: plain LRU)")
 
     @classmethod
     def from_args(cls, args):
@@ -143,7 +148,7 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                           tenant_quotas=tenants.eviction_quotas(), thread_nice=s.engine_thread_nice,
                           low_priority_prefill_tokens=s.low_priority_prefill_tokens,
                           guarded_steps_alone=s.guarded_steps_alone, interrupt_for_guarded=s.interrupt_for_guarded,
-                          approx=ApproxConfig(tenant_gates=tenants.quality_gates()))
+                          cache_protect_s=s.cache_protect_s, approx=ApproxConfig(tenant_gates=tenants.quality_gates()))
     return PoolConfig(engine=engine, autoscale=s.autoscale(), shares=tuple(sorted(tenants.worker_shares().items())),
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,
                       auto_device=s.device is None, auto_dtype=s.dtype is None, ready_timeout_s=s.ready_timeout_s,

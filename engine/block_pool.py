@@ -193,6 +193,7 @@ class BlockPool:
                     raise AssertionError(f"touch of free block {block.block_id}")
                 self.eviction.on_acquired(block.block_id)
                 self._num_in_use += 1
+            self.eviction.on_hit(block.block_id)
             block.ref_cnt += 1
 
     def free(self, blocks: Sequence[Block]) -> None:
@@ -223,7 +224,8 @@ class BlockPool:
         block.block_hash, block.parent_hash, block.owner = block_hash, parent, owner
         self._cached[block_hash] = block
         self._domain[block_hash] = domain
-        self.eviction.on_cached(block.block_id, owner)
+        up = self._cached.get(parent) if parent is not None else None
+        self.eviction.on_cached(block.block_id, owner, up.block_id if up is not None else None)
         self._tenant_stats(owner).stored += 1
         self._events.append(BlockEvent("stored", block_hash, parent, domain))
         return True
@@ -274,6 +276,7 @@ class BlockPool:
         assert len(self._cached) == sum(held.values()), "hash map and blocks disagree"
         assert self._num_in_use == sum(1 for b in self.blocks if b.ref_cnt), "in-use count is off"
         assert {t: n for t, n in self.eviction.held.items() if n} == held, "policy's held counts are off"
+        assert self.eviction.tail_ids() <= evictable, "a tail block is not evictable"
 
     # -- internals -------------------------------------------------------------------------
     def _enforce_caps(self, tenants: set[TenantId]) -> None:

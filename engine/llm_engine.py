@@ -56,6 +56,10 @@ class EngineConfig:
     device: str = "cpu"
     num_threads: int | None = None
     tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
+    # a reused (hit) prefix block released less than this long ago is evicted only after the
+    # tenant's blocks never hit (requests' unshared tails and outputs); 0: plain LRU
+    # (policies/eviction.py, bench/eviction_scan.py)
+    cache_protect_s: float = 60.0
     low_priority_prefill_tokens: int = 32  # prefill chunk cap of a tenant below a contending priority
     priority_hold_s: float = 2.0  # a priority class contends this long after its last prefill work
     alternate_low_prefill: bool = True  # see engine/scheduler.py: a higher-priority step after a lower one is alone
@@ -105,7 +109,7 @@ class LLMEngine:
                                  num_blocks * config.block_size)
         self.cache = PagedKVCache(mcfg.num_hidden_layers, num_blocks, config.block_size,
                                   mcfg.num_key_value_heads, head_dim, dtype, config.device)
-        self.pool = BlockPool(num_blocks, config.block_size, TenantEvictionPolicy(config.tenant_quotas))
+        self.pool = BlockPool(num_blocks, config.block_size, TenantEvictionPolicy(config.tenant_quotas, protect_s=config.cache_protect_s))
         self.kv = KVManager(self.pool, self.loaded.model_id, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens,

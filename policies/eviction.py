@@ -15,6 +15,15 @@ Rules for choosing a victim for a requesting tenant (first rule that yields a bl
      A lower-priority requester takes higher-priority blocks only when no block of its own
      class or lower is left;
   4. the requester's own blocks below its minimum (a tenant may recycle its own guarantee).
+"LRU" in rules 3-5 passes over reused prefixes for unshared tails (``protect_s`` > 0): a block
+hit since it was cached (*reused*: a shared prefix) and released less than ``protect_s`` ago is
+not the victim while the tenant has an evictable *tail* block, which goes instead (the oldest
+one): a block never hit, cached as the continuation of a reused block or of another tail (a
+request's question and answer after a shared prefix, which nobody asks for again). Plain LRU let
+each finished request's tail push out the deepest blocks of the oldest shared prefix whenever the
+prefixes fill the pool (measured in ``bench/eviction_scan.py``). A new chain (a prefix nobody
+reused yet) is no tail and keeps plain LRU order, so new groups are not locked out by reused
+ones; a reused block released ``protect_s`` ago or more is plain LRU again.
 Blocks of other tenants at or below their minimum are never victims for someone else, with one
 exception the caller must ask for: ``last_resort=True`` adds
   5. any evictable block, lowest priority class first, LRU within it, ignoring minimums.
@@ -58,13 +67,21 @@ class TenantEvictionPolicy:
     """Per-tenant LRU lists of evictable blocks plus counts of cached blocks per tenant.
 
     Invariants: a block id is in at most one LRU list, and only while it is cached and
-    released (refcount 0); ``held[t]`` counts tenant t's cached blocks, in use or not.
+    released (refcount 0); ``held[t]`` counts tenant t's cached blocks, in use or not;
+    ``_tails[t]`` is the subset of ``_lru[t]`` that are tail blocks, in the same order.
     """
 
-    def __init__(self, quotas: dict[TenantId, TenantQuota] | None = None, default: TenantQuota | None = None):
+    def __init__(self, quotas: dict[TenantId, TenantQuota] | None = None, default: TenantQuota | None = None,
+                 protect_s: float = 60.0):
+        if protect_s < 0:
+            raise ValueError("protect_s must be >= 0")
         self._quotas = dict(quotas or {})
         self._default = default or TenantQuota()
+        self.protect_s = protect_s  # 0: plain LRU (see the module docstring)
         self._lru: dict[TenantId, OrderedDict[BlockId, float]] = {}
+        self._tails: dict[TenantId, OrderedDict[BlockId, None]] = {}  # evictable tail blocks
+        self._hit: set[BlockId] = set()  # cached blocks hit since they were cached
+        self._tail: set[BlockId] = set()  # cached blocks never hit that continue a reused block or a tail
         self._owner: dict[BlockId, TenantId] = {}
         self.held: dict[TenantId, int] = {}
 
@@ -80,28 +97,50 @@ class TenantEvictionPolicy:
         return frozenset(q.priority for q in self._quotas.values() if q.latency_guard)
 
     # -- notifications from the pool -------------------------------------------------------
-    def on_cached(self, block: BlockId, tenant: TenantId) -> None:
-        """A block got a hash (it is in use by its computing request)."""
+    def on_cached(self, block: BlockId, tenant: TenantId, parent: BlockId | None = None) -> None:
+        """A block got a hash (it is in use by its computing request); ``parent``: the cached
+        block it continues, if any."""
         self._owner[block] = tenant
+        if parent is not None and (parent in self._hit or parent in self._tail):
+            self._tail.add(block)
         self.held[tenant] = self.held.get(tenant, 0) + 1
 
     def on_released(self, block: BlockId, now: float) -> None:
         """A cached block's refcount dropped to 0: it becomes evictable, most recent last."""
         tenant = self._owner[block]
         self._lru.setdefault(tenant, OrderedDict())[block] = now
+        if block in self._tail:
+            self._tails.setdefault(tenant, OrderedDict())[block] = None
+
+    def on_hit(self, block: BlockId) -> None:
+        """A request reuses a cached block (a prefix-cache hit, whether the block was in use or not)."""
+        self._hit.add(block)
+        if block in self._tail:
+            self._tail.discard(block)
+            self._unlist_tail(block)
 
     def on_acquired(self, block: BlockId) -> None:
-        """A cached, evictable block got a hit: it is in use again."""
-        tenant = self._owner[block]
-        self._lru[tenant].pop(block, None)
+        """A cached, evictable block is in use again (a hit, or the pool taking it back)."""
+        self._unlist(self._owner[block], block)
 
     def on_dropped(self, block: BlockId) -> None:
         """A cached block lost its hash (evicted or reset); it must not be in use."""
         tenant = self._owner.pop(block)
-        lru = self._lru.get(tenant)
-        if lru is not None:
-            lru.pop(block, None)
+        self._unlist(tenant, block)
+        self._hit.discard(block)
+        self._tail.discard(block)
         self.held[tenant] -= 1
+
+    def _unlist_tail(self, block: BlockId) -> None:
+        tails = self._tails.get(self._owner[block])
+        if tails is not None:
+            tails.pop(block, None)
+
+    def _unlist(self, tenant: TenantId, block: BlockId) -> None:
+        for lists in (self._lru, self._tails):
+            lst = lists.get(tenant)
+            if lst is not None:
+                lst.pop(block, None)
 
     # -- questions from the pool -----------------------------------------------------------
     def num_evictable(self) -> int:
@@ -136,6 +175,10 @@ class TenantEvictionPolicy:
         """Every evictable block (for invariant checks)."""
         return {b for lru in self._lru.values() for b in lru}
 
+    def tail_ids(self) -> set[BlockId]:
+        """Every evictable tail block (for invariant checks: a subset of ``evictable_ids``)."""
+        return {b for lst in self._tails.values() for b in lst}
+
     def evictable(self, tenant: TenantId) -> int:
         return len(self._lru.get(tenant, ()))
 
@@ -155,7 +198,7 @@ class TenantEvictionPolicy:
                 if now - released < ttl:
                     break
                 out.append(block)
-                lru.popitem(last=False)
+                self._unlist(tenant, block)
         return out
 
     def pop_over_cap(self, tenant: TenantId) -> list[BlockId]:
@@ -167,7 +210,7 @@ class TenantEvictionPolicy:
             return out
         excess = self.held.get(tenant, 0) - cap
         while excess > 0 and lru:
-            out.append(lru.popitem(last=False)[0])
+            out.append(self._take(tenant, None))
             excess -= 1
         return out
 
@@ -177,23 +220,35 @@ class TenantEvictionPolicy:
         for tenant, lru in self._lru.items():
             ttl = self.quota(tenant).ttl_s
             if ttl is not None and lru and now - next(iter(lru.values())) >= ttl:
-                return lru.popitem(last=False)[0]
+                return self._take(tenant, None)
         # 2. tenants over their cap
         for tenant, lru in self._lru.items():
             if lru and self.over_cap(tenant):
-                return lru.popitem(last=False)[0]
+                return self._take(tenant, now)
         # 3. lowest priority class first, LRU within it, respecting minimums
-        victim = self._pop_lowest(honour_minimums=True)
+        victim = self._pop_lowest(now, honour_minimums=True)
         if victim is not None:
             return victim
         # 4. the requester's own guaranteed blocks
-        own = self._lru.get(requester)
-        if own:
-            return own.popitem(last=False)[0]
+        if self._lru.get(requester):
+            return self._take(requester, now)
         # 5. (last resort only) other tenants' guaranteed blocks
-        return self._pop_lowest(honour_minimums=False) if last_resort else None
+        return self._pop_lowest(now, honour_minimums=False) if last_resort else None
 
-    def _pop_lowest(self, honour_minimums: bool) -> BlockId | None:
+    def _take(self, tenant: TenantId, now: float | None) -> BlockId:
+        """Remove and return ``tenant``'s victim: its least recently released block, unless that
+        one is reused and released under ``protect_s`` before ``now`` while a tail block is
+        evictable (the oldest tail then). ``now`` None: plain LRU (expiry is by age alone)."""
+        lru = self._lru[tenant]
+        block, released = next(iter(lru.items()))
+        if now is not None and self.protect_s > 0 and block in self._hit and now - released < self.protect_s:
+            tails = self._tails.get(tenant)
+            if tails:
+                block = next(iter(tails))
+        self._unlist(tenant, block)
+        return block
+
+    def _pop_lowest(self, now: float, honour_minimums: bool) -> BlockId | None:
         """Oldest evictable block of the lowest priority class (among tenants above their minimum)."""
         best: tuple[int, float, TenantId] | None = None
         for tenant, lru in self._lru.items():
@@ -202,7 +257,7 @@ class TenantEvictionPolicy:
             key = (self.quota(tenant).priority, next(iter(lru.values())), tenant)
             if best is None or key < best:
                 best = key
-        return None if best is None else self._lru[best[2]].popitem(last=False)[0]
+        return None if best is None else self._take(best[2], now)
 
     def tenants(self) -> Iterable[TenantId]:
         return self.held.keys()

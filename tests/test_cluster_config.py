@@ -33,7 +33,8 @@ def test_unknown_app_args_are_rejected():
 
 @pytest.mark.parametrize("args, words", [({"reject_delay_s": -1}, "reject_delay"),
                                          ({"reject_delay_max_held": -1}, "reject_delay"),
-                                         ({"low_priority_prefill_tokens": 0}, "low_priority_prefill_tokens")])
+                                         ({"low_priority_prefill_tokens": 0}, "low_priority_prefill_tokens"),
+                                         ({"cache_protect_s": -1}, "cache_protect_s")])
 def test_flood_knobs_are_checked_when_the_app_is_built(args, words):
     from cluster.app import AppSettings, pool_config
     from policies.tenancy import Tenants
@@ -47,6 +48,10 @@ def test_flood_knobs_are_checked_when_the_app_is_built(args, words):
     e = pool_config(AppSettings.from_args({"guarded_steps_alone": False, "interrupt_for_guarded": False}),
                     Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})).engine
     assert (e.guarded_steps_alone, e.interrupt_for_guarded) == (False, False)
+    assert e.cache_protect_s == 60.0  # default: tails before reused prefixes
+    e = pool_config(AppSettings.from_args({"cache_protect_s": 0}),
+                    Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})).engine
+    assert e.cache_protect_s == 0  # plain LRU reaches the workers' engines
 
 
 def test_the_routers_decode_learning_is_an_app_argument_that_reaches_the_pool():

@@ -190,3 +190,74 @@ def test_policy_module_imports_no_torch_or_ray():
     mods = {n.module.split(".")[0] for n in ast.walk(ast.parse(inspect.getsource(mod)))
             if isinstance(n, ast.ImportFrom) and n.module}
     assert not ({"torch", "ray"} & (names | mods))
+
+
+
+# -- tails before reused prefixes ------------------------------------------------------------
+def _request(p, prefix, tail, released, hit=True):
+    """A request of one tenant: ``prefix`` blocks (a chain; hit, i.e. reused, when ``hit``, else
+    computed now), then its own ``tail`` blocks continuing it; all released at ``released``,
+    tail first (as the pool frees)."""
+    parent = None
+    for b in prefix:
+        if hit:
+            p.on_acquired(b)
+            p.on_hit(b)
+        else:
+            p.on_cached(b, "a", parent=parent)
+        parent = b
+    for b in tail:
+        p.on_cached(b, "a", parent=parent)
+        parent = b
+    for b in reversed(list(prefix) + list(tail)):
+        p.on_released(b, released)
+
+
+def _two_groups(protect_s):
+    p = TenantEvictionPolicy(protect_s=protect_s)
+    _request(p, [0, 1], [], released=0.0, hit=False)  # group A computed ...
+    _request(p, [0, 1], [], released=1.0)  # ... and reused
+    _request(p, [10, 11], [], released=2.0, hit=False)  # group B computed ...
+    _request(p, [10, 11], [12, 13], released=5.0)  # ... reused by a request with a question/answer
+    return p
+
+
+def test_unshared_tails_go_before_a_recently_reused_prefix():
+    # plain LRU takes group A's deepest block first (released longest ago) although the tail
+    # blocks 12-13 will never be asked for again; tail-first takes them first, then LRU
+    assert drain(_two_groups(0.0), "a", now=10.0) == [1, 0, 13, 12, 11, 10]
+    assert drain(_two_groups(60.0), "a", now=10.0) == [13, 12, 1, 0, 11, 10]
+    # a reused prefix released protect_s ago is plain LRU again (a workload that moved on)
+    assert drain(_two_groups(60.0), "a", now=61.5) == [1, 0, 13, 12, 11, 10]
+
+
+def test_a_new_chain_is_no_tail_and_a_hit_tail_is_a_prefix():
+    p = TenantEvictionPolicy(protect_s=60.0)
+    _request(p, [0, 1], [], released=0.0, hit=False)
+    _request(p, [0, 1], [], released=1.0)  # A reused
+    _request(p, [20, 21], [], released=2.0, hit=False)  # a new group, never reused yet: LRU order,
+    assert drain(p, "a", now=10.0) == [1, 0, 21, 20]  # not sacrificed to protect A
+    p = TenantEvictionPolicy(protect_s=60.0)
+    _request(p, [0, 1], [], released=0.0, hit=False)
+    _request(p, [0, 1], [2], released=1.0)  # 2 continues a reused prefix: a tail ...
+    _request(p, [0, 1, 2], [], released=2.0)  # ... until a request reuses it (a multi-turn history)
+    assert p.tail_ids() == set()
+    assert drain(p, "a", now=10.0) == [2, 1, 0]
+
+
+def test_tail_state_is_forgotten_with_the_block():
+    p = _two_groups(60.0)
+    assert p.tail_ids() == {12, 13}
+    assert drain(p, "a", now=10.0)[:2] == [13, 12]
+    assert p.tail_ids() == set() and not p._hit and not p._tail
+
+
+def test_a_tail_hit_while_still_in_use_becomes_a_prefix():
+    # n > 1 choices or a concurrent request: a tail block is hit before it was ever released
+    p = TenantEvictionPolicy(protect_s=60.0)
+    _request(p, [0], [], released=0.0, hit=False)
+    p.on_acquired(0), p.on_hit(0)
+    p.on_cached(1, "a", parent=0)  # in use, never released
+    p.on_hit(1)
+    p.on_released(1, 1.0), p.on_released(0, 1.0)
+    assert p.tail_ids() == set() and drain(p, "a", now=5.0) == [1, 0]

@@ -1,0 +1,215 @@
+"""Prefix hits of one engine whose pool the shared prefixes fill: plain LRU against tail-first eviction.
+
+The cluster bench at ``--pool-ratio 4`` (bench/results/cluster_s15_pool4.json: 12 groups of
+512-token system prompts, each worker's pool 1,536 tokens, i.e. exactly 3 groups per worker) read
+0.76-0.87 of the oracle's hit tokens for kvmesh *and* affinity: every finished request left its
+question and answer blocks cached (~3 blocks nobody asks for again) and LRU evicted the oldest
+group's deepest prefix blocks for them. ``policies/eviction.py`` now passes over reused prefix
+blocks for such tail blocks (``EngineConfig.cache_protect_s``; 0 = plain LRU).
+
+This drives the real ``LLMEngine`` (a random 2-layer Llama: eviction does not depend on the
+weights) with that workload on one worker: ``--groups`` system prompts of ``--system-len`` tokens,
+requests drawn uniformly over them (seeded), each with a ``--question-len``-token unique question
+and ``--output-len`` output tokens, ``--concurrency`` requests in flight (continuous batching), a
+pool of (groups x prefix blocks) / fill blocks for each of ``--fills``. Reported per
+policy and fill: prompt tokens served from cache over the oracle's (an infinite cache: every
+request after its group's first reuses the block-aligned system prompt), and evictions. A second
+scenario checks that protection does not lock new groups out: phase 1 uses groups A, phase 2 a new
+set B on the same pool; phase 2's hits are reported for both policies. A third, multi-turn chat
+(``run_chat``), is the case tail-first eviction could hurt: a conversation's history is a tail
+until its next turn reuses it.
+
+    .venv/bin/python bench/eviction_scan.py            # ~1 min on 2 cores
+Writes bench/results/eviction_scan.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+RESULTS = Path(__file__).resolve().parent / "results"
+BLOCK = 16
+
+
+class Clock:
+    """The pool's clock: engine steps advance it by ``step_s`` (so ``protect_s`` means seconds
+    of a serving engine, not of this fast replay)."""
+
+    def __init__(self, step_s: float):
+        self.t, self.step_s = 0.0, step_s
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def run(protect_s: float, fill: float, a, phases: list[list[int]], seed: int) -> dict:
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.model_loader import tiny_llama
+    from engine.sequence import Request, SamplingParams
+
+    prefix_blocks = a.system_len // BLOCK
+    groups_in_use = max(len(p) for p in phases)
+    num_blocks = int(round(groups_in_use * prefix_blocks / fill))
+    loaded = tiny_llama(max_positions=2048)
+    eng = LLMEngine(EngineConfig(model="tiny-llama", num_blocks=num_blocks, max_num_batched_tokens=1024,
+                                 cache_protect_s=protect_s, approx=None), loaded)
+    clock = Clock(a.step_s)
+    eng.pool.clock = clock
+    rng = random.Random(seed)
+    system = {g: tuple(rng.randrange(3, 250) for _ in range(a.system_len)) for p in phases for g in p}
+    out = []
+    n = 0
+    for groups in phases:
+        seen: set[int] = set()
+        cached = oracle = prompt = 0
+        todo = a.requests
+        inflight: dict[str, int] = {}
+        while todo or inflight:
+            while todo and len(inflight) < a.concurrency:
+                g = rng.choice(groups)
+                q = tuple(rng.randrange(3, 250) for _ in range(a.question_len))
+                rid = f"r{n}"
+                n += 1
+                eng.add_request(Request(rid, system[g] + q, SamplingParams(max_tokens=a.output_len, temperature=0,
+                                                                           ignore_eos=True), tenant="t"))
+                inflight[rid] = g
+                oracle += prefix_blocks * BLOCK if g in seen else 0
+                seen.add(g)
+                todo -= 1
+            for o in eng.step():
+                if o.finished and o.request_id in inflight:
+                    del inflight[o.request_id]
+                    cached += o.num_cached_tokens
+                    prompt += o.num_prompt_tokens
+            clock.t += clock.step_s
+        out.append({"groups": len(groups), "requests": a.requests, "cached_tokens": cached,
+                    "oracle_cached_tokens": oracle, "vs_oracle": cached / oracle if oracle else None,
+                    "prompt_tokens": prompt})
+    eng.pool.check_invariants()
+    ev = sum(s.evictions for s in eng.pool.stats.values())
+    return {"protect_s": protect_s, "fill": fill, "num_blocks": num_blocks, "phases": out, "evictions": ev}
+
+
+def run_chat(protect_s: float, fill: float, a, seed: int) -> dict:
+    """Multi-turn chat, where tail-first eviction could hurt: ``--chats`` conversations behind
+    one shared system prompt, each turn's prompt the conversation so far plus a new question
+    (its history is a tail until the next turn reuses it); turns go round-robin over the
+    conversations, ``--concurrency`` in flight. The pool holds the system prompt and the
+    conversations' final histories / fill. The oracle reuses each turn's whole previous context
+    (block-aligned) and the system prompt after its first use."""
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.model_loader import tiny_llama
+    from engine.sequence import Request, SamplingParams
+
+    turns, chats = a.turns, a.chats
+    final = a.chat_system_len + turns * (a.question_len + a.output_len)
+    num_blocks = int(round((a.chat_system_len + chats * (final - a.chat_system_len)) / BLOCK / fill))
+    eng = LLMEngine(EngineConfig(model="tiny-llama", num_blocks=num_blocks, max_num_batched_tokens=1024,
+                                 cache_protect_s=protect_s, approx=None), tiny_llama(max_positions=4096))
+    clock = Clock(a.step_s)
+    eng.pool.clock = clock
+    rng = random.Random(seed)
+    system = tuple(rng.randrange(3, 250) for _ in range(a.chat_system_len))
+    history = {c: system for c in range(chats)}
+    queue = [(t, c) for t in range(turns) for c in range(chats)]
+    cached = oracle = 0
+    inflight: dict[str, tuple[int, tuple]] = {}
+    n = 0
+    system_seen = False
+    while queue or inflight:
+        busy = {c for c, _ in inflight.values()}
+        while queue and len(inflight) < a.concurrency and queue[0][1] not in busy:
+            t, c = queue.pop(0)
+            prompt = history[c] + tuple(rng.randrange(3, 250) for _ in range(a.question_len))
+            rid = f"c{c}t{t}"
+            eng.add_request(Request(rid, prompt, SamplingParams(max_tokens=a.output_len, temperature=0,
+                                                                ignore_eos=True), tenant="t"))
+            prev = len(history[c]) if t else (a.chat_system_len if system_seen else 0)
+            oracle += (prev // BLOCK) * BLOCK
+            system_seen = True
+            inflight[rid] = (c, prompt)
+            busy.add(c)
+            n += 1
+        for o in eng.step():
+            if o.request_id in inflight:
+                c, prompt = inflight[o.request_id]
+                inflight[o.request_id] = (c, prompt + tuple(o.new_token_ids))
+                if o.finished:
+                    cached += o.num_cached_tokens
+                    history[c] = inflight.pop(o.request_id)[1]
+        clock.t += clock.step_s
+    eng.pool.check_invariants()
+    return {"protect_s": protect_s, "fill": fill, "num_blocks": num_blocks, "cached_tokens": cached,
+            "oracle_cached_tokens": oracle, "vs_oracle": cached / oracle if oracle else None,
+            "evictions": sum(s.evictions for s in eng.pool.stats.values())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--groups", type=int, default=3)
+    ap.add_argument("--system-len", type=int, default=512)
+    ap.add_argument("--question-len", type=int, default=40)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=90)
+    ap.add_argument("--concurrency", type=int, default=3)
+    ap.add_argument("--fills", default="0.75,0.9,1.0,1.2", help="prefix blocks in use / pool blocks")
+    ap.add_argument("--step-s", type=float, default=0.4, help="seconds one engine step stands for")
+    ap.add_argument("--protect-s", type=float, default=60.0)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--chats", type=int, default=8, help="conversations of the multi-turn scenario")
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--chat-system-len", type=int, default=256)
+    ap.add_argument("--out", default=str(RESULTS / "eviction_scan.json"))
+    a = ap.parse_args()
+    t0 = time.time()
+    fills = [float(x) for x in a.fills.split(",")]
+    g = a.groups
+    steady = [list(range(g))]
+    shift = [list(range(g)), list(range(g, 2 * g))]
+    rows = []
+    for name, phases in (("steady", steady), ("shift", shift)):
+        for fill in fills:
+            for protect in (0.0, a.protect_s):
+                runs = [run(protect, fill, a, phases, seed) for seed in range(a.seeds)]
+                last = [r["phases"][-1] for r in runs]
+                row = {"scenario": name, "fill": fill, "protect_s": protect, "num_blocks": runs[0]["num_blocks"],
+                       "vs_oracle": sum(p["cached_tokens"] for p in last) / max(1, sum(p["oracle_cached_tokens"] for p in last)),
+                       "evictions": sum(r["evictions"] for r in runs) / len(runs), "runs": runs}
+                rows.append(row)
+                print(f"{name:6s} fill {fill:4.2f} ({row['num_blocks']:3d} blocks) {'tail-first' if protect else 'plain LRU ':10s}"
+                      f" hits/oracle {row['vs_oracle']:.3f}  evictions {row['evictions']:.0f}", flush=True)
+    for fill in fills:
+        for protect in (0.0, a.protect_s):
+            runs = [run_chat(protect, fill, a, seed) for seed in range(a.seeds)]
+            row = {"scenario": "chat", "fill": fill, "protect_s": protect, "num_blocks": runs[0]["num_blocks"],
+                   "vs_oracle": sum(r["cached_tokens"] for r in runs) / max(1, sum(r["oracle_cached_tokens"] for r in runs)),
+                   "evictions": sum(r["evictions"] for r in runs) / len(runs), "runs": runs}
+            rows.append(row)
+            print(f"chat   fill {fill:4.2f} ({row['num_blocks']:3d} blocks) {'tail-first' if protect else 'plain LRU ':10s}"
+                  f" hits/oracle {row['vs_oracle']:.3f}  evictions {row['evictions']:.0f}", flush=True)
+    summary = {}
+    for name in ("steady", "shift", "chat"):
+        for fill in fills:
+            lru = next(r for r in rows if r["scenario"] == name and r["fill"] == fill and not r["protect_s"])
+            tf = next(r for r in rows if r["scenario"] == name and r["fill"] == fill and r["protect_s"])
+            summary[f"{name}@{fill}"] = {"plain_lru": lru["vs_oracle"], "tail_first": tf["vs_oracle"],
+                                         "ratio": tf["vs_oracle"] / lru["vs_oracle"] if lru["vs_oracle"] else None}
+            print(f"{name:6s} fill {fill:4.2f}: hits/oracle tail-first / plain LRU = "
+                  f"{tf['vs_oracle']:.3f} / {lru['vs_oracle']:.3f} = {summary[f'{name}@{fill}']['ratio']:.2f}x")
+    res = {"bench": "eviction_scan", "compares": "tail-first eviction (cache_protect_s) vs plain LRU, one engine",
+           "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
+           "args": vars(a), "summary": summary, "rows": rows, "wall_s": round(time.time() - t0, 1)}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    print(f"wrote {a.out} in {res['wall_s']} s")
+
+
+if __name__ == "__main__":
+    main()
