@@ -202,7 +202,7 @@ def parse_prometheus(text: str) -> dict[str, float]:
 
 
 def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Counter growth between two scrapes (gauges show their latest value under ``now:``)."""
+    """Counter growth between two scrapes (a gauge's latest value is in the later scrape)."""
     d = {}
     for k, v in after.items():
         delta = v - before.get(k, 0.0)
@@ -211,8 +211,9 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
     return d
 
 
-def decisions(m: dict[str, float]) -> dict:
-    """Route decisions and pulled bytes/tokens from a metrics delta."""
+def decisions(m: dict[str, float], now: dict[str, float] | None = None) -> dict:
+    """Route decisions and pulled bytes/tokens from a metrics delta; with ``now`` (the later
+    scrape), the prefix groups each worker served lately (a gauge)."""
     routes = {re.search(r'route="([^"]+)"', k).group(1): v for k, v in m.items()
               if k.startswith("kvmesh_routes_total") and 'route="' in k}
     kinds = {re.search(r'kind="([^"]+)"', k).group(1): v for k, v in m.items()
@@ -223,7 +224,9 @@ def decisions(m: dict[str, float]) -> dict:
               if k.startswith("kvmesh_router_routed{") and 'worker="' in k}
     return {"routes": routes, "router_decisions": kinds, "placements": placements, "routed_per_worker": routed,
             "bytes_pulled": sum(v for k, v in m.items() if k.startswith("kvmesh_router_bytes_pulled")),
-            "pulled_tokens": sum(v for k, v in m.items() if k.startswith("kvmesh_pulled_tokens_total"))}
+            "pulled_tokens": sum(v for k, v in m.items() if k.startswith("kvmesh_pulled_tokens_total")),
+            "groups_per_worker": {re.search(r'worker="([^"]+)"', k).group(1): v for k, v in (now or {}).items()
+                                  if k.startswith("kvmesh_router_groups{") and 'worker="' in k}}
 
 
 # -- workloads -------------------------------------------------------------------------------
@@ -461,7 +464,7 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
             for k, rate in enumerate(args.rates):
                 res["shared_prefix"].append(shared_prefix_rate(cl, name, args, exe, mdir, tok, k, rate, log))
                 m1 = parse_prometheus(cl.get("/metrics")[1])
-                res["shared_prefix"][-1]["kvmesh_metrics"] = decisions(metrics_delta(m0, m1))
+                res["shared_prefix"][-1]["kvmesh_metrics"] = decisions(metrics_delta(m0, m1), m1)
                 m0 = m1
                 bar.update(1)
                 write(doc, Path(args.out))
@@ -469,7 +472,7 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
             for k, rate in enumerate(args.hot_rates):
                 res["hot_prefix"].append(shared_prefix_rate(cl, name, args, exe, mdir, tok, k, rate, log, hot=True))
                 m1 = parse_prometheus(cl.get("/metrics")[1])
-                res["hot_prefix"][-1]["kvmesh_metrics"] = decisions(metrics_delta(m0, m1))
+                res["hot_prefix"][-1]["kvmesh_metrics"] = decisions(metrics_delta(m0, m1), m1)
                 m0 = m1
                 bar.update(1)
                 write(doc, Path(args.out))
@@ -484,7 +487,7 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
             oracle = workloads.oracle_hits(items)
             m1 = parse_prometheus(cl.get("/metrics")[1])
             s = summarize(results, args.ttft_slo, wall_s=wall)
-            s.update(hit=hit_ratio(results, oracle), kvmesh_metrics=decisions(metrics_delta(m0, m1)),
+            s.update(hit=hit_ratio(results, oracle), kvmesh_metrics=decisions(metrics_delta(m0, m1), m1),
                      per_tenant={t: hit_ratio([r for r in results if r.tenant == t],
                                               [h for r, h in zip(results, oracle) if r.tenant == t])
                                  for t in sorted({r.tenant for r in results})},
@@ -700,7 +703,7 @@ def shared_prefix_steady(cl: Cluster, name: str, args, exe, mdir, tok, rates: li
         s = stage_figures(results, stage_oracle, rate, loads[i], args, t1 - t0, warmup=i == 0, inference_perf_rc=rc,
                           run_s=round(t1 - t0, 1), wall_clock=[t0, t1])
         (_, c0, m0), (_, c1, m1) = sampler.at(t0), sampler.at(t1)
-        s.update(cpu=cpu_delta(c0, c1, s["ok"]), kvmesh_metrics=decisions(metrics_delta(m0, m1)))
+        s.update(cpu=cpu_delta(c0, c1, s["ok"]), kvmesh_metrics=decisions(metrics_delta(m0, m1), m1))
         log_stage(log, name, s)
         out.append(s)
     return out

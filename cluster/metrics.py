@@ -42,6 +42,9 @@ class Metrics:
                                        "Routing choices by placement rule (match, placed, spilled, fallback)",
                                        ["kind"], registry=r)
         self.router_routed = Gauge("kvmesh_router_routed", "Requests routed to each worker", ["worker"], registry=r)
+        self.router_groups = Gauge("kvmesh_router_groups",
+                                   "Prefix groups routed to each worker lately (a request within ~20 s)",
+                                   ["worker"], registry=r)
         for t in tenants:  # every tenant has series from the first scrape
             for m in (self.prompt_tokens, self.cached_tokens, self.completion_tokens, self.queue_depth, self.inflight):
                 m.labels(tenant=t)
@@ -74,6 +77,11 @@ class Metrics:
                 self.router_placements.labels(kind=kind).set(n)
             for worker, n in router.get("routed", {}).items():
                 self.router_routed.labels(worker=worker).set(n)
+            if "groups" in router:
+                for labels in list(self.router_groups._metrics):  # workers gone or with no group lately
+                    self.router_groups.labels(*labels).set(0)
+                for worker, n in router["groups"].items():
+                    self.router_groups.labels(worker=worker).set(n)
         for g, values in ((self.queue_depth, queue_depth), (self.inflight, inflight)):
             for labels in list(g._metrics):  # reset tenants that dropped to 0
                 g.labels(*labels).set(0)

@@ -603,6 +603,9 @@ class WorkerPool:
         ``timeout_s``."""
         out: dict = {"decisions": dict(self.decisions), "routed": dict(self.routed),
                      "placements": dict(getattr(self.router, "placements", {}) or {})}
+        groups = getattr(self.router, "groups", None)
+        if groups is not None:
+            out["groups"] = groups()
         if self._router_client is not None:
             try:
                 actor = await asyncio.wait_for(_aref(self._router_client.handle.metrics.remote()), timeout_s)

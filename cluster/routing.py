@@ -72,6 +72,10 @@ class CostAwareRouter:
         """Decisions by placement rule (match | spill | place; -fallback without estimates)."""
         return self.placer.placements
 
+    def groups(self) -> dict[str, int]:
+        """Prefix groups routed to each worker lately (``Placer.groups_per_worker``)."""
+        return self.placer.groups_per_worker(time.monotonic())
+
     max_donor_offers = 8  # donor offers sent with one request (the worker pulls at most one or two)
 
     async def choose(self, request: Request, candidates: Sequence[WorkerState]) -> RouteChoice:

@@ -601,6 +601,17 @@ class Placer:
             return 1.0  # nothing routed there for many time constants
         return max(counts.get(k, 0.0) for k in keys) / total
 
+    def groups_per_worker(self, now: float, min_weight: float = 0.5) -> dict[WorkerId, int]:
+        """Per worker, the prefix groups routed there lately: those whose decayed request count
+        (``group_tau_s``) is at least ``min_weight`` (0.5: a request within ~0.7 x tau). Groups are
+        sticky, so this is the split of the groups, and of their load, over the workers."""
+        tau = max(self.config.group_tau_s, 1e-9)
+        out: dict[WorkerId, int] = {}
+        for w, counts in self.recent.items():
+            f = math.exp(-max(0.0, now - self._recent_at[w]) / tau)
+            out[w] = sum(1 for v in counts.values() if v * f >= min_weight)
+        return out
+
     def _held_elsewhere(self, worker: WorkerId) -> Callable[[Hashable], bool]:
         others = [s for w, s in self.shadows.items() if w != worker]
         return lambda key: any(key in s for s in others)

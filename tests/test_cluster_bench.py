@@ -15,6 +15,22 @@ from bench import ipperf, rayup
 SHAPE = setup.ModelShape(layers=30, kv_heads=3, head_dim=64)
 
 
+@pytest.fixture(autouse=True)
+def _ray_auth_mode_kept():
+    """``bench.cluster`` imports ``bench.netlab``, which sets ``RAY_AUTH_MODE=token`` for its
+    drivers; left set, a later test's local ``ray.init`` in this process failed to reach its own
+    GCS (``pytest tests/test_cluster_bench.py tests/test_router_metrics.py``). Restored after
+    each test here."""
+    import os
+
+    before = os.environ.get("RAY_AUTH_MODE")
+    yield
+    if before is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = before
+
+
 def test_sibling_ray_up_config_changes_only_what_the_run_needs():
     shipped = rayup.load_shipped()
     cfg = rayup.sibling_config(shipped, cluster_name="kvmesh-bench-x", head_ip="10.9.1.2",
@@ -135,9 +151,11 @@ def test_prometheus_parsing_and_decision_deltas():
     b = parse_prometheus('kvmesh_routes_total{route="local",tenant="bench"} 5\n'
                          'kvmesh_routes_total{route="pulled",tenant="bench"} 2\n'
                          'kvmesh_router_bytes_pulled 4196\nkvmesh_router_decisions{kind="pull"} 2\n')
-    d = decisions(metrics_delta(a, b))
+    b["kvmesh_router_groups{worker=\"w0\"}"] = 3.0
+    d = decisions(metrics_delta(a, b), b)
     assert d["routes"] == {"local": 2, "pulled": 2} and d["bytes_pulled"] == 4096
     assert d["router_decisions"] == {"pull": 2}
+    assert d["groups_per_worker"] == {"w0": 3.0}  # a gauge: its value now, not a delta
 
 
 def test_inference_perf_reports_become_results_with_usage_and_prompts(tmp_path):

@@ -243,6 +243,17 @@ def test_a_groups_share_of_its_holders_traffic_fades_with_time():
     assert placer.group_share("v", {b"a"}, 600.0) == 1.0
 
 
+def test_groups_per_worker_counts_the_groups_routed_there_lately():
+    placer = Placer(PlacementConfig(group_tau_s=10.0))
+    for k in range(6):
+        placer.count_routed("w0", (b"a", b"b", b"c")[k % 3], float(k))
+    placer.count_routed("w1", b"d", 0.0)
+    assert placer.groups_per_worker(6.0) == {"w0": 3, "w1": 1}
+    # at 12 s d's one request weighs e^-1.2 = 0.30; a, b and c, two requests each, 0.71-0.87
+    assert placer.groups_per_worker(12.0) == {"w0": 3, "w1": 0}
+    assert placer.groups_per_worker(60.0) == {"w0": 0, "w1": 0}
+
+
 def test_small_matches_do_not_count_as_holders():
     tiny = view("w0", 0.45, local=2, eviction=(30, 1, -1.0))  # 2 of 39 blocks (a common header)
     free = view("w1", 0.5, eviction=(0, 0, -10.0))

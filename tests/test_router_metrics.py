@@ -33,10 +33,15 @@ def test_render_shows_routing_counts():
     text = m.render({}, {}, {"ready": 2}, {}, {"decisions": {"local": 3, "recomputed": 2},
                                              "placements": {"match": 3, "place": 2},
                                              "routed": {"kv-w0": 4, "kv-w1": 1}, "bytes_pulled": 1024,
-                                             "pull_failures": 0, "ttft_error": {}}).decode()
+                                             "pull_failures": 0, "ttft_error": {},
+                                             "groups": {"kv-w0": 3, "kv-w1": 1}}).decode()
     assert _value(text, "kvmesh_router_decisions", kind="local") == 3
     assert _value(text, "kvmesh_router_placements", kind="place") == 2
     assert _value(text, "kvmesh_router_routed", worker="kv-w0") == 4
+    assert _value(text, "kvmesh_router_groups", worker="kv-w1") == 1
+    # a worker with no group lately (or gone) reads 0, not its last count
+    later = m.render({}, {}, {"ready": 2}, {}, {"groups": {"kv-w0": 2}}).decode()
+    assert (_value(later, "kvmesh_router_groups", worker="kv-w0"), _value(later, "kvmesh_router_groups", worker="kv-w1")) == (2, 0)
     assert _value(text, "kvmesh_router_bytes_pulled") == 1024
 
 
@@ -93,6 +98,9 @@ def test_metrics_over_http_show_router_decisions_with_two_workers(tmp_path):
         assert _value(text, "kvmesh_router_bytes_pulled") is not None
         # each group stays on one worker (placement, not request order)
         assert len(set(workers[:3])) == 1 and len(set(workers[3:])) == 1
+        # two groups, each on its worker (or both on one): the gauge counts them there
+        groups = {w: _value(text, "kvmesh_router_groups", worker=w) for w in set(workers)}
+        assert groups == {w: float(len({i // 3 for i, x in enumerate(workers) if x == w})) for w in set(workers)}
     finally:
         serve.shutdown()
         if started:
