@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import sys
@@ -49,19 +50,35 @@ class Clock:
         return self.t
 
 
-def run(protect_s: float, fill: float, a, phases: list[list[int]], seed: int) -> dict:
+def _engine(num_blocks: int, protect_s: float, step_s: float, max_positions: int):
+    """A tiny-llama engine of ``num_blocks`` whose pool runs on a ``Clock`` of ``step_s`` per step."""
     from engine.llm_engine import EngineConfig, LLMEngine
     from engine.model_loader import tiny_llama
+
+    eng = LLMEngine(EngineConfig(model="tiny-llama", num_blocks=num_blocks, max_num_batched_tokens=1024,
+                                 cache_protect_s=protect_s, approx=None), tiny_llama(max_positions=max_positions))
+    clock = Clock(step_s)
+    eng.pool.clock = clock
+    return eng, clock
+
+
+def _row(scenario: str, fill: float, protect_s: float, runs: list[dict], counted: list[dict]) -> dict:
+    """One policy at one fill over the seeds' ``runs`` (hits summed over ``counted``), printed."""
+    row = {"scenario": scenario, "fill": fill, "protect_s": protect_s, "num_blocks": runs[0]["num_blocks"],
+           "vs_oracle": sum(p["cached_tokens"] for p in counted) / max(1, sum(p["oracle_cached_tokens"] for p in counted)),
+           "evictions": sum(r["evictions"] for r in runs) / len(runs), "runs": runs}
+    print(f"{scenario:6s} fill {fill:4.2f} ({row['num_blocks']:3d} blocks) {'tail-first' if protect_s else 'plain LRU ':10s}"
+          f" hits/oracle {row['vs_oracle']:.3f}  evictions {row['evictions']:.0f}", flush=True)
+    return row
+
+
+def run(protect_s: float, fill: float, a, phases: list[list[int]], seed: int) -> dict:
     from engine.sequence import Request, SamplingParams
 
     prefix_blocks = a.system_len // BLOCK
     groups_in_use = max(len(p) for p in phases)
     num_blocks = int(round(groups_in_use * prefix_blocks / fill))
-    loaded = tiny_llama(max_positions=2048)
-    eng = LLMEngine(EngineConfig(model="tiny-llama", num_blocks=num_blocks, max_num_batched_tokens=1024,
-                                 cache_protect_s=protect_s, approx=None), loaded)
-    clock = Clock(a.step_s)
-    eng.pool.clock = clock
+    eng, clock = _engine(num_blocks, protect_s, a.step_s, 2048)
     rng = random.Random(seed)
     system = {g: tuple(rng.randrange(3, 250) for _ in range(a.system_len)) for p in phases for g in p}
     out = []
@@ -104,17 +121,12 @@ def run_chat(protect_s: float, fill: float, a, seed: int) -> dict:
     conversations, ``--concurrency`` in flight. The pool holds the system prompt and the
     conversations' final histories / fill. The oracle reuses each turn's whole previous context
     (block-aligned) and the system prompt after its first use."""
-    from engine.llm_engine import EngineConfig, LLMEngine
-    from engine.model_loader import tiny_llama
     from engine.sequence import Request, SamplingParams
 
     turns, chats = a.turns, a.chats
     final = a.chat_system_len + turns * (a.question_len + a.output_len)
     num_blocks = int(round((a.chat_system_len + chats * (final - a.chat_system_len)) / BLOCK / fill))
-    eng = LLMEngine(EngineConfig(model="tiny-llama", num_blocks=num_blocks, max_num_batched_tokens=1024,
-                                 cache_protect_s=protect_s, approx=None), tiny_llama(max_positions=4096))
-    clock = Clock(a.step_s)
-    eng.pool.clock = clock
+    eng, clock = _engine(num_blocks, protect_s, a.step_s, 4096)
     rng = random.Random(seed)
     system = tuple(rng.randrange(3, 250) for _ in range(a.chat_system_len))
     history = {c: system for c in range(chats)}
@@ -178,22 +190,11 @@ def main() -> None:
         for fill in fills:
             for protect in (0.0, a.protect_s):
                 runs = [run(protect, fill, a, phases, seed) for seed in range(a.seeds)]
-                last = [r["phases"][-1] for r in runs]
-                row = {"scenario": name, "fill": fill, "protect_s": protect, "num_blocks": runs[0]["num_blocks"],
-                       "vs_oracle": sum(p["cached_tokens"] for p in last) / max(1, sum(p["oracle_cached_tokens"] for p in last)),
-                       "evictions": sum(r["evictions"] for r in runs) / len(runs), "runs": runs}
-                rows.append(row)
-                print(f"{name:6s} fill {fill:4.2f} ({row['num_blocks']:3d} blocks) {'tail-first' if protect else 'plain LRU ':10s}"
-                      f" hits/oracle {row['vs_oracle']:.3f}  evictions {row['evictions']:.0f}", flush=True)
+                rows.append(_row(name, fill, protect, runs, [r["phases"][-1] for r in runs]))
     for fill in fills:
         for protect in (0.0, a.protect_s):
             runs = [run_chat(protect, fill, a, seed) for seed in range(a.seeds)]
-            row = {"scenario": "chat", "fill": fill, "protect_s": protect, "num_blocks": runs[0]["num_blocks"],
-                   "vs_oracle": sum(r["cached_tokens"] for r in runs) / max(1, sum(r["oracle_cached_tokens"] for r in runs)),
-                   "evictions": sum(r["evictions"] for r in runs) / len(runs), "runs": runs}
-            rows.append(row)
-            print(f"chat   fill {fill:4.2f} ({row['num_blocks']:3d} blocks) {'tail-first' if protect else 'plain LRU ':10s}"
-                  f" hits/oracle {row['vs_oracle']:.3f}  evictions {row['evictions']:.0f}", flush=True)
+            rows.append(_row("chat", fill, protect, runs, runs))
     summary = {}
     for name in ("steady", "shift", "chat"):
         for fill in fills:
@@ -204,7 +205,7 @@ def main() -> None:
             print(f"{name:6s} fill {fill:4.2f}: hits/oracle tail-first / plain LRU = "
                   f"{tf['vs_oracle']:.3f} / {lru['vs_oracle']:.3f} = {summary[f'{name}@{fill}']['ratio']:.2f}x")
     res = {"bench": "eviction_scan", "compares": "tail-first eviction (cache_protect_s) vs plain LRU, one engine",
-           "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
+           "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
            "args": vars(a), "summary": summary, "rows": rows, "wall_s": round(time.time() - t0, 1)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))

@@ -90,7 +90,7 @@ class KVManager:
         seq.blocks = list(hit)
         seq.num_computed = len(hit) * self.block_size
         if not seq.num_output:  # a resumed (preempted) sequence keeps its prompt's first hit: its
-            seq.num_cached = min(seq.num_computed, seq.num_prompt)  # re-hit of its own output is no prompt reuse
+            seq.num_cached = seq.num_computed  # re-hit of its own output is no prompt reuse
         seq.num_registered = len(hit)
 
     def grow(self, seq: Sequence, num_tokens: int) -> None:

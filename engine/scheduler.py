@@ -229,9 +229,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.release(seq)
-        seq.num_computed = 0
-        if not seq.num_output:
-            seq.num_cached = 0
+        seq.num_computed = 0  # num_cached stays: admission sets it again unless output was sent
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

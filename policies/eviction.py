@@ -113,11 +113,10 @@ class TenantEvictionPolicy:
             self._tails.setdefault(tenant, OrderedDict())[block] = None
 
     def on_hit(self, block: BlockId) -> None:
-        """A request reuses a cached block (a prefix-cache hit, whether the block was in use or not)."""
+        """A request reuses a cached block (a prefix-cache hit); it is in use (an evictable one was
+        ``on_acquired`` first), so it is in no evictable list."""
         self._hit.add(block)
-        if block in self._tail:
-            self._tail.discard(block)
-            self._unlist_tail(block)
+        self._tail.discard(block)
 
     def on_acquired(self, block: BlockId) -> None:
         """A cached, evictable block is in use again (a hit, or the pool taking it back)."""
@@ -130,11 +129,6 @@ class TenantEvictionPolicy:
         self._hit.discard(block)
         self._tail.discard(block)
         self.held[tenant] -= 1
-
-    def _unlist_tail(self, block: BlockId) -> None:
-        tails = self._tails.get(self._owner[block])
-        if tails is not None:
-            tails.pop(block, None)
 
     def _unlist(self, tenant: TenantId, block: BlockId) -> None:
         for lists in (self._lru, self._tails):
