@@ -224,7 +224,12 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
         pend = placer.pending_tokens(chains, holdings, wids, len(it.prompt_ids), bs, now)
         ranking = cm.rank(len(it.prompt_ids), holdings, wids, pend)
         loads = {w: float(sum(workers[w].queued.values())) for w in wids}
-        placed = placer.decide(it.prompt_ids, it.max_tokens, bs, chains, it.domain, holdings, wids, loads, ranking, now)
+        try:
+            placed = placer.decide(it.prompt_ids, it.max_tokens, bs, chains, it.domain, holdings, wids, loads, ranking,
+                                   now, running={w: workers[w].running for w in wids})
+        except TypeError:  # a legacy placer (before the idle rule)
+            placed = placer.decide(it.prompt_ids, it.max_tokens, bs, chains, it.domain, holdings, wids, loads,
+                                   ranking, now)
         c = placed.candidate
         counts[placed.kind] += 1
         counts[c.kind] += 1
@@ -428,6 +433,7 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "decode places": ({"place_counts_decode": True}, 0.0, "new"),
     "pull charge 1": ({"spill_pull_charge": 1.0}, 0.0, "new"),
     "pull charge 0": ({"spill_pull_charge": 0.0}, 0.0, "new"),
+    "no idle spill": ({"idle_slack": 0.0}, 0.0, "new"),  # before session 16: a hot group never takes an idle worker
 }
 
 
@@ -526,10 +532,12 @@ def main(argv=None) -> None:
     ap.add_argument("--speed-jitter", type=float, default=0.0,
                     help="worker k's steps take (1 + u_k) x as long, u_k uniform in [-x, +x] per seed "
                          "(the cluster's hosts measured 12.4-15.2 ms per prefill token, +-10%%)")
+    ap.add_argument("--capacity-blocks", type=int, default=OpenConfig.capacity_blocks,
+                    help="each worker's pool in blocks (128: the bench's pool ratio 3; 96: ratio 4)")
     ap.add_argument("--json", default=str(ROOT / "bench/results/placement_sim_tradeoff.json"),
                     help="merge the aggregated rows into this file (by workload and variant)")
     a = ap.parse_args(argv)
-    cfg = OpenConfig(speed_jitter=a.speed_jitter)
+    cfg = OpenConfig(speed_jitter=a.speed_jitter, capacity_blocks=a.capacity_blocks)
     path = Path(a.json)
     doc = json.loads(path.read_text()) if path.exists() else {}
     doc.setdefault("bench", "bench/placement_openloop.py")

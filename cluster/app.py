@@ -95,6 +95,10 @@ class AppSettings:
     # (policies.routing.DecodeModel), so a busy holder's dominant group spills; false: it charges
     # nothing for decoding sequences (cluster/README, Placement, sessions 8 and 13)
     router_learn_decode: bool = True
+    # a hot prefix group (more than its holders' share of the traffic) spills from a busy holder to
+    # an idle worker with room for it, at a transfer or one prefill for that request
+    # (PlacementConfig.idle_slack, cluster/README, Placement, session 16); false: only when faster
+    router_idle_spill: bool = True
     # a prefix block reused within this many seconds is evicted after requests' unshared tails
     # (EngineConfig.cache_protect_s, policies/eviction.py); 0: plain LRU
     cache_protect_s: float = 60.0
@@ -152,7 +156,7 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
     return PoolConfig(engine=engine, autoscale=s.autoscale(), shares=tuple(sorted(tenants.worker_shares().items())),
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,
                       auto_device=s.device is None, auto_dtype=s.dtype is None, ready_timeout_s=s.ready_timeout_s,
-                      app=app, router_learn_decode=s.router_learn_decode)
+                      app=app, router_learn_decode=s.router_learn_decode, router_idle_spill=s.router_idle_spill)
 
 
 def build_app(args: dict) -> Application:

@@ -56,6 +56,7 @@ from engine.async_engine import EngineDead
 from engine.llm_engine import EngineConfig
 from engine.sequence import InvalidRequest, Request, RequestOutput
 from policies.autoscale import AutoscaleConfig, ScaleDecision, TenantAutoscaler, TenantDemand, TenantShare
+from policies.placement import PlacementConfig
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,14 @@ class PoolConfig:
     # least-loaded routing and no index/router actors.
     cost_aware_routing: bool = True
     router_learn_decode: bool = True  # CostConfig.learn_decode of the router actor this pool creates
+    router_idle_spill: bool = True  # False: PlacementConfig.idle_slack = 0 (a hot group never spills to an idle worker)
     probe_interval_s: float = 30.0  # light link probes between workers on different nodes (0: off)
     health_interval_s: float = 2.0  # engine/actor death watch per worker (0: off); its retry delay
     health_timeout_s: float = 10.0  # a slower answer is not a death (unreachable != dead)
+
+    def placement(self) -> PlacementConfig:
+        """The placement rules of the router this pool creates."""
+        return PlacementConfig() if self.router_idle_spill else PlacementConfig(idle_slack=0.0)
 
 
 def resolve_pool_config(config: PoolConfig, cluster_gpus: float | None = None) -> PoolConfig:
@@ -248,7 +254,8 @@ class WorkerPool:
         self._router_client.report("register", ws.worker_id, ws.info["node_id"])
         if not isinstance(self.router, CostAwareRouter):
             self.router = CostAwareRouter(ws.info["model_id"], ws.info["block_size"], self._index,
-                                          self._router_client, self.workers.get, timeout_s=ROUTE_TIMEOUT_S)
+                                          self._router_client, self.workers.get, timeout_s=ROUTE_TIMEOUT_S,
+                                          placement=self.config.placement())
 
     async def check_health(self) -> list[str]:
         """Ask every ready worker for its health; retire (and replace) those whose engine died.

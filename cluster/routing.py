@@ -132,7 +132,8 @@ class CostAwareRouter:
         loads = {w.worker_id: float(sum(w.queued.values())) for w in candidates}
         placed = self.placer.decide(request.prompt_ids, request.params.max_tokens, self.block_size, chains,
                                     request.domain, found, workers, loads, ranking or None, time.monotonic(),
-                                    reuse=request.reuse != "none")
+                                    reuse=request.reuse != "none",
+                                    running={w.worker_id: w.running for w in candidates})
         if placed is None:
             return await self.fallback.choose(request, candidates)
         choice = self._route_choice(request, candidates, holdings, chains, placed)

@@ -66,6 +66,17 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     its groups spills, and without the spill margin (a persistent queue pays back a copy many
     times; a pull costs a transfer); such a decision counts as ``balance``. The copy then holds the group too, and the match rule sends
     the group's requests to whichever holder is faster.
+  * **a hot group takes idle workers** (``idle_slack``; "idle"). The spill rule compares this
+    request's TTFT; a worker behind a slow link (a pull ~2 s there, more than a busy holder's
+    queue) then never gets a copy of a hot prefix, and its compute idles while the holders batch
+    ever more decodes (the cluster bench, session 13: a hot prefix at 1.3 req/s served by 3 of 4
+    workers, 0.93 req/s against power-of-two choices' 1.30). A group that brings at least
+    ``holders + 0.5`` workers' share of the traffic lately (``Placer.cluster_share`` x workers:
+    one of twelve equal groups never does) and whose best holder is busy (``idle_busy_running``
+    sequences decoding, prompts queued counting one) goes to an idle worker (nothing queued, nothing
+    decoding) that has room for the copy (no warm block evicted) if that costs this request at
+    most ``idle_slack`` x its own prefill more than the holder; the match rule then shares the
+    group's requests among its holders. Compute an idle worker spends is lost to nobody.
   * **decoding sequences move groups, they do not place them.** The cost model's decode term
     (``Candidate.decode_wait_s``, learned per worker when ``CostConfig.learn_decode``) is how much
     longer a busy worker's steps make a new request wait. It counts in the holder rules above: a
@@ -99,7 +110,7 @@ from typing import Callable, Hashable, Literal, Mapping, Sequence
 
 from policies.routing import Candidate, WorkerId
 
-PlacementKind = Literal["match", "spill", "balance", "place"]
+PlacementKind = Literal["match", "spill", "balance", "idle", "place"]
 PROXY_TOKEN_S = 1e-3  # without estimates: a token of queue or prefill ~ 1 ms (only compared, never reported)
 
 
@@ -147,6 +158,13 @@ class PlacementConfig:
     # later requests locally, so the transfer is paid once (1: a hot group never reached a worker
     # behind a slow link, where a pull takes ~2 s; cluster/README, Placement, session 13)
     spill_pull_charge: float = 0.5
+    # a busy holder's dominant group spills to an idle worker (nothing queued, nothing decoding) that
+    # has room for the copy (no warm block evicted) when that costs this request at most ``idle_slack``
+    # x its own prefill more than the holder: idle compute is lost for good, and once the copy is
+    # there the match rule shares the group's load. Without it a worker behind a slow link (a pull
+    # ~2 s) never took part in a hot prefix (0 requests of 78; the cluster bench, session 13). 0: off
+    idle_slack: float = 1.0
+    idle_busy_running: int = 2  # a holder is busy with this many sequences decoding (prompts queued count one)
 
 
 TTFT_ONLY = PlacementConfig(spill_ratio=0.0, spill_abs_s=0.0, evict_weight=0.0, compute_weight=0.0)
@@ -323,6 +341,7 @@ class WorkerView:
     group_share: float = 1.0  # the prompt's group's share of its recently routed requests
     wait_avg_s: float = 0.0  # its queue wait (the cost model's), averaged over ``balance_tau_s``
     shared_blocks: int = 0  # blocks of prefixes it holds (its shadow cache's, private blocks not counted)
+    running: int = 0  # sequences past their first token there (decoding)
 
     @property
     def reused(self) -> int:
@@ -375,15 +394,31 @@ def _overloaded(views: Sequence[WorkerView], c: PlacementConfig) -> set[WorkerId
     return {v.worker for v in views if v.wait_avg_s > limit}
 
 
+def _idle_target(views: Sequence[WorkerView], best_h: WorkerView, best_h_s: float, prompt_prefill_s: float,
+                 c: PlacementConfig) -> WorkerView | None:
+    """The worker a busy holder's dominant group spills to because it is idle (``idle_slack``):
+    nothing queued or decoding there, room for the copy without evicting a warm block, and its
+    TTFT within ``idle_slack`` x the prompt's prefill of the holder's. The fastest such worker."""
+    if c.idle_slack <= 0 or best_h.running + (best_h.load > 0) < c.idle_busy_running:
+        return None
+    limit = best_h_s + c.idle_slack * prompt_prefill_s
+    idle = [v for v in views if v.load <= 0 and v.running == 0 and v.eviction[0] == 0
+            and v.local_blocks < best_h.local_blocks and v.ttft_s <= limit + 1e-12]
+    return min(idle, key=lambda v: (v.ttft_s, v.rank, v.worker)) if idle else None
+
+
 def _within(views: Sequence[WorkerView], best_s: float, ratio: float, abs_s: float) -> list[WorkerView]:
     limit = best_s + max(abs_s, ratio * best_s)
     return [v for v in views if v.ttft_s <= limit + 1e-12]
 
 
 def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: float,
-           config: PlacementConfig = PlacementConfig(), reuse_p: float | None = None) -> Placement:
+           config: PlacementConfig = PlacementConfig(), reuse_p: float | None = None,
+           group_share: float | None = None) -> Placement:
     """The worker for one request (see the module docstring for the rules). ``reuse_p``: the
-    probability that an evicted warm block is needed again (None: ``config.reuse_prob``, or 1)."""
+    probability that an evicted warm block is needed again (None: ``config.reuse_prob``, or 1).
+    ``group_share``: the prompt's group's share of the requests routed lately, all workers
+    together (None: unknown, no idle spill)."""
     if not views:
         raise ValueError("no workers to choose from")
     c = config
@@ -416,6 +451,12 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
             limit = best_eff + max(c.tie_abs_s, c.tie_ratio * best_eff)
             v = min((v for v in views if eff[v.worker] <= limit + 1e-12), key=headroom)
             return Placement(v.worker, "spill" if spill else "balance", v)
+        # a group whose share of the traffic is worth one more holder: as many holders as its share
+        # of the workers (a hot group; not one of many whose few requests lately happen to weigh)
+        hot = group_share is not None and group_share * len(views) >= len(holders) + 0.5
+        idle = _idle_target(views, best_h, best_h_s, prompt_prefill_s, c) if dominant and hot else None
+        if idle is not None:
+            return Placement(idle.worker, "idle", idle)
         return Placement(best_h.worker, "match", best_h)
     # a new prefix: its own TTFT (without the decode term unless ``place_counts_decode``) plus the
     # expected recompute of the warm blocks it evicts (p(reuse) x their prefill), among the workers
@@ -440,7 +481,7 @@ class Placer:
         self.config = config or PlacementConfig()
         self.default_capacity = default_capacity
         self.shadows: dict[WorkerId, ShadowCache] = {}
-        self.placements: Counter[str] = Counter()  # decisions by rule (match | spill | balance | place; -fallback)
+        self.placements: Counter[str] = Counter()  # decisions by rule (match | spill | balance | idle | place; -fallback)
         c = self.config
         self.reuse = ReuseEstimate(c.warm_s, c.reuse_prior, c.reuse_window)  # fed by every shadow's evictions
         # per worker: group key -> its routed requests, decayed to ``_recent_at[worker]``
@@ -497,12 +538,13 @@ class Placer:
     def decide(self, prompt_ids: Sequence[int], max_tokens: int, block_size: int,
                chains: Mapping[str, Sequence[bytes]], own_domain: str, holdings: Mapping[WorkerId, int] | None,
                workers: Sequence[WorkerId], loads: Mapping[WorkerId, float], ranking: Sequence[Candidate] | None,
-               now: float, reuse: bool = True) -> Placement | None:
+               now: float, reuse: bool = True, running: Mapping[WorkerId, int] | None = None) -> Placement | None:
         """Step 2: the placement of one request, and (``reuse``) its record in the chosen
         worker's shadow cache. ``holdings``: the index's prompt tokens per worker; ``chains``:
         the prompt's block hashes per readable domain (own domain ``own_domain``); ``loads``:
         per worker, queued prompt tokens to compute; ``ranking``: the cost model's best
-        candidate per worker (None: decide from the loads alone). None when no worker fits."""
+        candidate per worker (None: decide from the loads alone); ``running``: per worker, sequences
+        decoding (None: unknown, read as 0). None when no worker fits."""
         prompt = len(prompt_ids)
         usable = max(0, (prompt - 1) // block_size)
         held = None if holdings is None else _held_blocks(holdings, prompt, block_size)
@@ -515,11 +557,11 @@ class Placer:
         proxy = {w: PROXY_TOKEN_S * (loads.get(w, 0.0) + prompt - local[w] * block_size) for w in workers}
         key = leading_key(own, prompt_ids, self.config.key_blocks)
         groups = {key} | {leading_key(chain, prompt_ids, self.config.key_blocks) for chain in chains.values()}
-        views = self.views(ranking or None, workers, local, total, loads, key, now, proxy, block_size, groups)
+        views = self.views(ranking or None, workers, local, total, loads, key, now, proxy, block_size, groups, running)
         if not views:
             return None
         prefill = full_prefill_s(ranking, prompt) if ranking else PROXY_TOKEN_S * prompt
-        placed = choose(views, usable, prefill, self.config, self.reuse_p)
+        placed = choose(views, usable, prefill, self.config, self.reuse_p, self.cluster_share(groups, now))
         self.count_routed(placed.worker, key, now)
         self.placements[placed.kind if ranking else f"{placed.kind}-fallback"] += 1
         if reuse:
@@ -547,7 +589,8 @@ class Placer:
     def views(self, ranking: Sequence[Candidate] | None, workers: Sequence[WorkerId],
               local_blocks: Mapping[WorkerId, int], new_blocks: int, loads: Mapping[WorkerId, float],
               key: bytes, now: float, fallback_ttft: Mapping[WorkerId, float] | None = None,
-              block_size: int | None = None, groups: frozenset[bytes] | set[bytes] = frozenset()) -> list[WorkerView]:
+              block_size: int | None = None, groups: frozenset[bytes] | set[bytes] = frozenset(),
+              running: Mapping[WorkerId, int] | None = None) -> list[WorkerView]:
         """One ``WorkerView`` per worker from the cost model's ``ranking`` (best candidate per
         worker), or, without one, from ``fallback_ttft``/the loads."""
         order = rendezvous_order(key, workers)
@@ -565,7 +608,8 @@ class Placer:
             cost = shadow.eviction_cost(max(0, new_blocks - have), now, self.config.warm_s, elsewhere)
             wait = self.observe_wait(w, cand.wait_s, now) if cand is not None else 0.0
             out.append(WorkerView(w, ttft, have, cost, loads.get(w, 0.0), order[w], cand, reused,
-                                  self.group_share(w, groups or {key}, now), wait, shadow.shared))
+                                  self.group_share(w, groups or {key}, now), wait, shadow.shared,
+                                  (running or {}).get(w, 0)))
         return out
 
     def count_routed(self, worker: WorkerId, key: bytes, now: float) -> None:
@@ -600,6 +644,19 @@ class Placer:
         if total * math.exp(-(now - self._recent_at[worker]) / tau) < 0.01:
             return 1.0  # nothing routed there for many time constants
         return max(counts.get(k, 0.0) for k in keys) / total
+
+    def cluster_share(self, keys: set[bytes] | frozenset[bytes], now: float) -> float | None:
+        """The share of the requests routed lately to all workers together (weights decaying with
+        ``group_tau_s``) that were of the prompt's group (the best over ``keys``, as ``group_share``).
+        None when nothing was routed lately."""
+        tau = max(self.config.group_tau_s, 1e-9)
+        total, best = 0.0, {k: 0.0 for k in keys}
+        for w, counts in self.recent.items():
+            f = math.exp(-max(0.0, now - self._recent_at[w]) / tau)
+            total += self._recent_total[w] * f
+            for k in keys:
+                best[k] += counts.get(k, 0.0) * f
+        return max(best.values()) / total if total >= 0.01 and best else None
 
     def groups_per_worker(self, now: float, min_weight: float = 0.5) -> dict[WorkerId, int]:
         """Per worker, the prefix groups routed there lately: those whose decayed request count

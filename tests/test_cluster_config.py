@@ -63,6 +63,15 @@ def test_the_routers_decode_learning_is_an_app_argument_that_reaches_the_pool():
     assert pool_config(AppSettings.from_args({"router_learn_decode": False}), tenants).router_learn_decode is False
 
 
+def test_the_idle_spill_of_hot_groups_is_an_app_argument_that_reaches_the_router():
+    from cluster.app import AppSettings, pool_config
+    from policies.tenancy import Tenants
+
+    tenants = Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})
+    assert pool_config(AppSettings.from_args({}), tenants).placement().idle_slack > 0
+    assert pool_config(AppSettings.from_args({"router_idle_spill": False}), tenants).placement().idle_slack == 0
+
+
 @pytest.mark.parametrize("name", ["ray-up-local.yaml", "ray-up-aws-gpu.yaml"])
 def test_ray_up_configs_validate(name):
     from ray.autoscaler._private.util import fillout_defaults, validate_config

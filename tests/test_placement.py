@@ -417,6 +417,81 @@ def test_decoding_sequences_move_a_hot_group_but_do_not_decide_a_new_groups_home
     assert choose([decoding_roomy, idle_fuller], 39, 0.5, PlacementConfig(place_counts_decode=True)).worker == "w1"
 
 
+def test_a_hot_group_takes_an_idle_worker_even_behind_a_slow_link():
+    """A hot group's busy holder (2 sequences decoding) and an idle worker whose only option is
+    a 2 s pull (a slow link): the spill rule never moves the group (the pull is slower than the
+    holder's queue), the idle rule does, and only while every condition holds."""
+    busy = WorkerView("w0", 1.2, 39, (0, 0, -10.0), running=2, group_share=1.0)
+    slow = WorkerView("w1", 2.3, 0, (0, 0, -60.0),
+                      candidate=Candidate("w1", "pulled", 2.3, 0.0, 0.3, 2.0, 0, 592))
+    p = choose([busy, slow], 39, 3.3, group_share=1.0)
+    assert (p.worker, p.kind) == ("w1", "idle")
+    assert choose([busy, slow], 39, 3.3, PlacementConfig(idle_slack=0.0), group_share=1.0).kind == "match"
+    assert choose([busy, slow], 39, 3.3).kind == "match"  # the group's traffic unknown
+    # one of twelve equal groups is not hot: 1/12 of the traffic is no worker's worth
+    assert choose([busy, slow], 39, 3.3, group_share=1 / 12).kind == "match"
+    # a holder with one sequence decoding is not busy; a queued prompt counts as one more
+    assert choose([replace(busy, running=1), slow], 39, 3.3, group_share=1.0).kind == "match"
+    assert choose([replace(busy, running=1, load=48.0), slow], 39, 3.3, group_share=1.0).kind == "idle"
+    # the worker must be idle, have room without evicting warm blocks, and cost <= one prefill more
+    for other in (replace(slow, running=1), replace(slow, load=40.0), replace(slow, eviction=(3, 1, -5.0)),
+                  replace(slow, ttft_s=1.2 + 3.3 + 0.1)):
+        assert choose([busy, other], 39, 3.3, group_share=1.0).kind == "match"
+    # a group not dominant on its holder keeps it (as the spill rule)
+    assert choose([replace(busy, group_share=0.4), slow], 39, 3.3, group_share=1.0).kind == "match"
+
+
+def test_a_hot_groups_copies_follow_its_share_of_the_traffic():
+    """A group gets another holder while its share of the cluster's traffic is worth more than
+    the holders it has (share x workers >= holders + 0.5): half the traffic of 4 workers, 2."""
+    def views(holders):
+        return [WorkerView(f"w{i}", 1.0 if i < holders else 1.5, 39 if i < holders else 0, (0, 0, -10.0),
+                           running=3 if i < holders else 0, group_share=1.0) for i in range(4)]
+
+    assert choose(views(1), 39, 3.3, group_share=0.5).kind == "idle"
+    assert choose(views(2), 39, 3.3, group_share=0.5).kind == "match"
+    assert choose(views(3), 39, 3.3, group_share=1.0).kind == "idle"
+    assert choose(views(1), 39, 3.3, group_share=0.3).kind == "match"  # 1.2 workers' worth: one holder
+
+
+def test_the_placer_measures_a_groups_share_of_all_workers_traffic():
+    placer = Placer(PlacementConfig(group_tau_s=10.0))
+    assert placer.cluster_share({b"a"}, 0.0) is None  # nothing routed yet
+    for k in range(6):
+        placer.count_routed("w0", b"hot", float(k))
+        placer.count_routed("w1", (b"hot", b"b")[k % 2], float(k))
+    assert placer.cluster_share({b"hot"}, 6.0) == pytest.approx(9 / 12, abs=0.05)
+    assert placer.cluster_share({b"b", b"z"}, 6.0) == pytest.approx(3 / 12, abs=0.05)  # the best of the keys
+    for k in range(60):  # a minute of group b alone: hot's share fades
+        placer.count_routed("w2", b"b", 10.0 + k)
+    assert placer.cluster_share({b"hot"}, 70.0) < 0.01
+
+
+def test_a_hot_group_spreads_over_idle_workers_through_the_placer():
+    """Through ``Placer.decide`` with the cost model: one group only, its holder decoding two
+    sequences: the next request goes to an idle worker (it is then a holder there); with the
+    holder decoding one, it stays."""
+    workers = ["w0", "w1", "w2"]
+    cm, placer = _cost_model(workers), Placer()
+    items = shared_prefix(groups=1, users=6, seed=7)
+    h = _route(placer, cm, items[0], workers, {}, {}, now=0.0).worker
+    idx = {h: 592}
+
+    def route(it, running, now):
+        chains = prompt_chains(it.prompt_ids, BS, "m", [it.domain])
+        pend = placer.pending_tokens(chains, idx, workers, len(it.prompt_ids), BS, now)
+        ranking = cm.rank(len(it.prompt_ids), idx, workers, pend)
+        return placer.decide(it.prompt_ids, it.max_tokens, BS, chains, it.domain, idx, workers, {}, ranking, now,
+                             running=running)
+
+    assert route(items[1], {h: 1}, 1.0).kind == "match"
+    p = route(items[2], {h: 2}, 2.0)
+    assert p.kind == "idle" and p.worker != h
+    chain = prompt_chains(items[3].prompt_ids, BS, "m", [items[3].domain])[items[3].domain]
+    assert placer.shadow(p.worker).match(chain) >= 37
+    assert placer.placements["idle"] == 1
+
+
 def _key(item):
     from policies.placement import leading_key
 
