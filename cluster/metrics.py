@@ -39,8 +39,8 @@ class Metrics:
                                  "Mean predicted - measured TTFT by route kind (< 0: the router underestimates)",
                                  ["kind"], registry=r)
         self.router_placements = Gauge("kvmesh_router_placements",
-                                       "Routing choices by placement rule (match, placed, spilled, fallback)",
-                                       ["kind"], registry=r)
+                                       "Routing choices by placement rule (match, spill, balance, idle, place; "
+                                       "-fallback: without estimates)", ["kind"], registry=r)
         self.router_routed = Gauge("kvmesh_router_routed", "Requests routed to each worker", ["worker"], registry=r)
         self.router_groups = Gauge("kvmesh_router_groups",
                                    "Prefix groups routed to each worker lately (a request within ~20 s)",
