@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import importlib.util
+import inspect
 import itertools
 import json
 import math
@@ -201,6 +202,7 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
     placer = placer_cls(placement) if placement is not None else placer_cls()
     for w in wids:
         placer.shadow(w, cfg.capacity_blocks)
+    knows_running = "running" in inspect.signature(placer.decide).parameters
     affinity = _Affinity(wids, rng)
     rr = itertools.cycle(wids)
     events: list = []
@@ -224,12 +226,9 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
         pend = placer.pending_tokens(chains, holdings, wids, len(it.prompt_ids), bs, now)
         ranking = cm.rank(len(it.prompt_ids), holdings, wids, pend)
         loads = {w: float(sum(workers[w].queued.values())) for w in wids}
-        try:
-            placed = placer.decide(it.prompt_ids, it.max_tokens, bs, chains, it.domain, holdings, wids, loads, ranking,
-                                   now, running={w: workers[w].running for w in wids})
-        except TypeError:  # a legacy placer (before the idle rule)
-            placed = placer.decide(it.prompt_ids, it.max_tokens, bs, chains, it.domain, holdings, wids, loads,
-                                   ranking, now)
+        extra = {"running": {w: workers[w].running for w in wids}} if knows_running else {}  # legacy placers do not
+        placed = placer.decide(it.prompt_ids, it.max_tokens, bs, chains, it.domain, holdings, wids, loads, ranking,
+                               now, **extra)
         c = placed.candidate
         counts[placed.kind] += 1
         counts[c.kind] += 1

@@ -414,11 +414,11 @@ def _within(views: Sequence[WorkerView], best_s: float, ratio: float, abs_s: flo
 
 def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: float,
            config: PlacementConfig = PlacementConfig(), reuse_p: float | None = None,
-           group_share: float | None = None) -> Placement:
+           cluster_share: float | None = None) -> Placement:
     """The worker for one request (see the module docstring for the rules). ``reuse_p``: the
     probability that an evicted warm block is needed again (None: ``config.reuse_prob``, or 1).
-    ``group_share``: the prompt's group's share of the requests routed lately, all workers
-    together (None: unknown, no idle spill)."""
+    ``cluster_share``: the prompt's group's share of the requests routed lately to all workers
+    together (``Placer.cluster_share``; None: unknown, no idle spill)."""
     if not views:
         raise ValueError("no workers to choose from")
     c = config
@@ -453,7 +453,7 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
             return Placement(v.worker, "spill" if spill else "balance", v)
         # a group whose share of the traffic is worth one more holder: as many holders as its share
         # of the workers (a hot group; not one of many whose few requests lately happen to weigh)
-        hot = group_share is not None and group_share * len(views) >= len(holders) + 0.5
+        hot = cluster_share is not None and cluster_share * len(views) >= len(holders) + 0.5
         idle = _idle_target(views, best_h, best_h_s, prompt_prefill_s, c) if dominant and hot else None
         if idle is not None:
             return Placement(idle.worker, "idle", idle)

@@ -424,21 +424,21 @@ def test_a_hot_group_takes_an_idle_worker_even_behind_a_slow_link():
     busy = WorkerView("w0", 1.2, 39, (0, 0, -10.0), running=2, group_share=1.0)
     slow = WorkerView("w1", 2.3, 0, (0, 0, -60.0),
                       candidate=Candidate("w1", "pulled", 2.3, 0.0, 0.3, 2.0, 0, 592))
-    p = choose([busy, slow], 39, 3.3, group_share=1.0)
+    p = choose([busy, slow], 39, 3.3, cluster_share=1.0)
     assert (p.worker, p.kind) == ("w1", "idle")
-    assert choose([busy, slow], 39, 3.3, PlacementConfig(idle_slack=0.0), group_share=1.0).kind == "match"
+    assert choose([busy, slow], 39, 3.3, PlacementConfig(idle_slack=0.0), cluster_share=1.0).kind == "match"
     assert choose([busy, slow], 39, 3.3).kind == "match"  # the group's traffic unknown
     # one of twelve equal groups is not hot: 1/12 of the traffic is no worker's worth
-    assert choose([busy, slow], 39, 3.3, group_share=1 / 12).kind == "match"
+    assert choose([busy, slow], 39, 3.3, cluster_share=1 / 12).kind == "match"
     # a holder with one sequence decoding is not busy; a queued prompt counts as one more
-    assert choose([replace(busy, running=1), slow], 39, 3.3, group_share=1.0).kind == "match"
-    assert choose([replace(busy, running=1, load=48.0), slow], 39, 3.3, group_share=1.0).kind == "idle"
+    assert choose([replace(busy, running=1), slow], 39, 3.3, cluster_share=1.0).kind == "match"
+    assert choose([replace(busy, running=1, load=48.0), slow], 39, 3.3, cluster_share=1.0).kind == "idle"
     # the worker must be idle, have room without evicting warm blocks, and cost <= one prefill more
     for other in (replace(slow, running=1), replace(slow, load=40.0), replace(slow, eviction=(3, 1, -5.0)),
                   replace(slow, ttft_s=1.2 + 3.3 + 0.1)):
-        assert choose([busy, other], 39, 3.3, group_share=1.0).kind == "match"
+        assert choose([busy, other], 39, 3.3, cluster_share=1.0).kind == "match"
     # a group not dominant on its holder keeps it (as the spill rule)
-    assert choose([replace(busy, group_share=0.4), slow], 39, 3.3, group_share=1.0).kind == "match"
+    assert choose([replace(busy, group_share=0.4), slow], 39, 3.3, cluster_share=1.0).kind == "match"
 
 
 def test_a_hot_groups_copies_follow_its_share_of_the_traffic():
@@ -448,10 +448,10 @@ def test_a_hot_groups_copies_follow_its_share_of_the_traffic():
         return [WorkerView(f"w{i}", 1.0 if i < holders else 1.5, 39 if i < holders else 0, (0, 0, -10.0),
                            running=3 if i < holders else 0, group_share=1.0) for i in range(4)]
 
-    assert choose(views(1), 39, 3.3, group_share=0.5).kind == "idle"
-    assert choose(views(2), 39, 3.3, group_share=0.5).kind == "match"
-    assert choose(views(3), 39, 3.3, group_share=1.0).kind == "idle"
-    assert choose(views(1), 39, 3.3, group_share=0.3).kind == "match"  # 1.2 workers' worth: one holder
+    assert choose(views(1), 39, 3.3, cluster_share=0.5).kind == "idle"
+    assert choose(views(2), 39, 3.3, cluster_share=0.5).kind == "match"
+    assert choose(views(3), 39, 3.3, cluster_share=1.0).kind == "idle"
+    assert choose(views(1), 39, 3.3, cluster_share=0.3).kind == "match"  # 1.2 workers' worth: one holder
 
 
 def test_the_placer_measures_a_groups_share_of_all_workers_traffic():
