@@ -289,6 +289,16 @@ def other_workloads(args, tok) -> dict[str, tuple[list[workloads.WorkItem], list
     return {k: v for k, v in all_.items() if k in args.workloads}
 
 
+def per_request(results: list[Result], items: list[workloads.WorkItem], oracle: list[int]) -> list[dict]:
+    """One row per request of a kvmesh-loadgen workload (in workload order): when it was sent,
+    its tenant and prefix group, TTFT, cached tokens against the oracle's, and where it ran (the
+    response's ``kvmesh`` worker and route; None from the baselines): what a hit gap is read from."""
+    return [{"sent_s": round(r.sent_s, 2), "tenant": r.tenant, "group": items[r.index].group,
+             "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 3), "cached": r.cached_tokens,
+             "oracle": h, "worker": r.worker, "route": r.route, "status": r.status}
+            for r, h in zip(results, oracle)]
+
+
 def hit_ratio(results: list[Result], oracle: list[int]) -> dict:
     got = sum(r.cached_tokens for r in results if r.ok)
     best = sum(h for r, h in zip(results, oracle) if r.ok)
@@ -491,7 +501,8 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
                      per_tenant={t: hit_ratio([r for r in results if r.tenant == t],
                                               [h for r, h in zip(results, oracle) if r.tenant == t])
                                  for t in sorted({r.tenant for r in results})},
-                     approx_cached_tokens=None, errors_sample=[r.error for r in results if r.error][:3])
+                     approx_cached_tokens=None, errors_sample=[r.error for r in results if r.error][:3],
+                     per_request=per_request(results, items, oracle))
             m0 = m1
             res["workloads"][wname] = s
             log(f"{name}: {wname} hit/oracle {s['hit']['vs_oracle']}, TTFT p90 {s['ttft_s']['p90']}")

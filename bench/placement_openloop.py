@@ -433,11 +433,13 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "pull charge 1": ({"spill_pull_charge": 1.0}, 0.0, "new"),
     "pull charge 0": ({"spill_pull_charge": 0.0}, 0.0, "new"),
     "no idle spill": ({"idle_slack": 0.0}, 0.0, "new"),  # before session 16: a hot group never takes an idle worker
+    "any share spills": ({"spill_share_margin": None}, 0.0, "new"),  # before session 17: one of many groups spills too
+    "share taken as exact": ({"spill_share_z": 0.0}, 0.0, "new"),  # no lower confidence bound on the share
 }
 
 
 def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _cache: dict = {},
-                steady: bool = False, rates: Sequence[float] | None = None) -> list[dict]:
+                steady: bool = False, rates: Sequence[float] | None = None, stage_s: float = 45.0) -> list[dict]:
     """``name``: a router, a ``VARIANTS`` key, or either with ``+learn`` (the decode term learned)."""
     base, learn = (name[: -len("+learn")], True) if name.endswith("+learn") else (name, False)
     fields, decode_s, kind = VARIANTS[base] if base in VARIANTS else ({}, 0.0, "new")
@@ -449,7 +451,7 @@ def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _ca
     legacy_cfg = sys.modules[placer_cls.__module__].PlacementConfig if rev is not None else PlacementConfig
     rows = []
     for seed in seeds:
-        run = stages(rates or (0.4, 0.7, 1.0, 1.3), seed=seed, hot=hot, steady=steady)
+        run = stages(rates or (0.4, 0.7, 1.0, 1.3), stage_s=stage_s, seed=seed, hot=hot, steady=steady)
         res = simulate(run, router, replace(cfg, seed=seed), legacy_cfg(**fields),
                        decode_s, placer_cls, learn_decode=learn)
         rows.append({"seed": seed, **res})
@@ -528,6 +530,8 @@ def main(argv=None) -> None:
                     help="shared: the cluster bench's stages; hot: one group; closed: placement_sim's defaults; "
                          "steady: the bench's --sweep steady (one set of groups through a warm-up and every rate)")
     ap.add_argument("--rates", default=None, help="offered rates (req/s), comma separated")
+    ap.add_argument("--stage-s", type=float, default=45.0,
+                    help="seconds per rate (the cluster bench's default: 30)")
     ap.add_argument("--speed-jitter", type=float, default=0.0,
                     help="worker k's steps take (1 + u_k) x as long, u_k uniform in [-x, +x] per seed "
                          "(the cluster's hosts measured 12.4-15.2 ms per prefill token, +-10%%)")
@@ -541,6 +545,7 @@ def main(argv=None) -> None:
     doc = json.loads(path.read_text()) if path.exists() else {}
     doc.setdefault("bench", "bench/placement_openloop.py")
     doc["config"] = asdict(cfg)
+    doc.setdefault("stage_s", {})[a.workload] = a.stage_s
     doc["baseline_rev"] = BASELINE_REV
     res = doc.setdefault(a.workload, {})
     for name in a.variants.split(","):
@@ -552,7 +557,7 @@ def main(argv=None) -> None:
             continue
         rates = [float(x) for x in a.rates.split(",")] if a.rates else None
         agg = aggregate(run_variant(name, range(a.seeds), a.workload == "hot", cfg, steady=a.workload == "steady",
-                                    rates=rates))
+                                    rates=rates, stage_s=a.stage_s))
         res[name] = agg
         pr = agg["per_rate"]
         print(f"{a.workload:6s} {name:32s} hit {agg['hit_vs_oracle']:.3f}  " + "  ".join(

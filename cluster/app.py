@@ -99,6 +99,10 @@ class AppSettings:
     # an idle worker with room for it, at a transfer or one prefill for that request
     # (PlacementConfig.idle_slack, cluster/README, Placement, session 16); false: only when faster
     router_idle_spill: bool = True
+    # a holder's dominant group spills (a copy on a faster worker) only while its share of the
+    # cluster's recent traffic is surely worth its holders (PlacementConfig.spill_share_margin,
+    # cluster/README, Placement, session 17); false: any dominant group spills
+    router_spill_needs_share: bool = True
     # a prefix block reused within this many seconds is evicted after requests' unshared tails
     # (EngineConfig.cache_protect_s, policies/eviction.py); 0: plain LRU
     cache_protect_s: float = 60.0
@@ -156,7 +160,8 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
     return PoolConfig(engine=engine, autoscale=s.autoscale(), shares=tuple(sorted(tenants.worker_shares().items())),
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,
                       auto_device=s.device is None, auto_dtype=s.dtype is None, ready_timeout_s=s.ready_timeout_s,
-                      app=app, router_learn_decode=s.router_learn_decode, router_idle_spill=s.router_idle_spill)
+                      app=app, router_learn_decode=s.router_learn_decode, router_idle_spill=s.router_idle_spill,
+                      router_spill_needs_share=s.router_spill_needs_share)
 
 
 def build_app(args: dict) -> Application:

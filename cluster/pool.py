@@ -84,13 +84,19 @@ class PoolConfig:
     cost_aware_routing: bool = True
     router_learn_decode: bool = True  # CostConfig.learn_decode of the router actor this pool creates
     router_idle_spill: bool = True  # False: PlacementConfig.idle_slack = 0 (a hot group never spills to an idle worker)
+    # False: PlacementConfig.spill_share_margin = None (any group dominant on its holder spills, without
+    # its holders' worth of the cluster's traffic)
+    router_spill_needs_share: bool = True
     probe_interval_s: float = 30.0  # light link probes between workers on different nodes (0: off)
     health_interval_s: float = 2.0  # engine/actor death watch per worker (0: off); its retry delay
     health_timeout_s: float = 10.0  # a slower answer is not a death (unreachable != dead)
 
     def placement(self) -> PlacementConfig:
         """The placement rules of the router this pool creates."""
-        return PlacementConfig() if self.router_idle_spill else PlacementConfig(idle_slack=0.0)
+        off: dict = {} if self.router_idle_spill else {"idle_slack": 0.0}
+        if not self.router_spill_needs_share:
+            off["spill_share_margin"] = None
+        return PlacementConfig(**off)
 
 
 def resolve_pool_config(config: PoolConfig, cluster_gpus: float | None = None) -> PoolConfig:

@@ -52,7 +52,16 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     elsewhere, and where the groups' prefixes fill most of the cluster (the cluster bench's
     ``--sweep steady``) such copies evicted warm groups: 2.7x the evictions, 0.92 of the oracle's
     hits (``bench/placement_openloop.py --workload steady``). A hot group is its holder's
-    dominant one and spills as before. ``PlacementConfig(spill_ratio=0, spill_abs_s=0,
+    dominant one and spills as before. Dominance on the holder is not enough either: with 3
+    groups per worker at ~0.5 req/s each, one of them makes 60% of its holder's last requests by
+    chance, and its copy then put a 4th prefix on a worker whose pool holds 4 with nothing left
+    for the requests' own blocks (the cluster bench, session 16: that worker evicted and recomputed,
+    p99 TTFT 19-24 s against affinity's 2-7 s). So a group also needs its holders' worth of the
+    *cluster's* recent traffic (``spill_share_margin``): its share x workers, taken at the share's
+    lower confidence bound over the requests it is measured on (``spill_share_z``), at least its
+    holders. One of twelve equal groups never qualifies; a hot group gets every worker. A group
+    short of it (minor) leaves only a swamped holder: slower than the spill margin by a whole
+    prefill of the prompt more (``minor_spill_prefills``). ``PlacementConfig(spill_ratio=0, spill_abs_s=0,
     evict_weight=0)`` is the plain per-request TTFT choice (``TTFT_ONLY``).
   * **an overloaded holder lets any group go** (opt-in, ``balance_ratio`` > 0; off by default:
     replayed over 30 paired seeds it cost 1-4% on steady groups and gained nothing on hot or
@@ -165,6 +174,22 @@ class PlacementConfig:
     # ~2 s) never took part in a hot prefix (0 requests of 78; the cluster bench, session 13). 0: off
     idle_slack: float = 1.0
     idle_busy_running: int = 2  # a holder is busy with this many sequences decoding (prompts queued count one)
+    # a group has its holders' worth of the traffic when its share of the requests routed lately to
+    # the whole cluster (``Placer.cluster_share``) x workers >= holders + a margin. The spill rule
+    # needs ``spill_share_margin`` (None: any dominant group spills, the rule before session 17) on
+    # the share's lower confidence bound (Wilson, ``spill_share_z`` standard errors, over the
+    # recent requests' decayed count): a copy of one of many groups relieves no holder for long and
+    # takes room the resident groups' requests need (the cluster bench, session 16: a spill copy of
+    # one of 12 groups left a worker with 4 prefixes in a pool sized for 4, which then evicted and
+    # recomputed), and at low rates one of 12 groups makes a quarter of the last 15 requests by
+    # chance. The idle rule needs ``idle_share_margin`` on the share itself.
+    spill_share_margin: float | None = 0.0
+    spill_share_z: float = 1.0
+    # a group short of that share (a minor group) still spills from a holder slower than the spill
+    # margin by this many of the prompt's own prefills more (a swamped holder; None: never). The
+    # replay's steady, fresh and hot workloads never reach it (1, 2 and 4 read identical to never)
+    minor_spill_prefills: float | None = 1.0
+    idle_share_margin: float = 0.5
 
 
 TTFT_ONLY = PlacementConfig(spill_ratio=0.0, spill_abs_s=0.0, evict_weight=0.0, compute_weight=0.0)
@@ -414,11 +439,12 @@ def _within(views: Sequence[WorkerView], best_s: float, ratio: float, abs_s: flo
 
 def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: float,
            config: PlacementConfig = PlacementConfig(), reuse_p: float | None = None,
-           cluster_share: float | None = None) -> Placement:
+           cluster_share: float | None = None, cluster_weight: float | None = None) -> Placement:
     """The worker for one request (see the module docstring for the rules). ``reuse_p``: the
     probability that an evicted warm block is needed again (None: ``config.reuse_prob``, or 1).
     ``cluster_share``: the prompt's group's share of the requests routed lately to all workers
-    together (``Placer.cluster_share``; None: unknown, no idle spill)."""
+    together (``Placer.cluster_share``; None: unknown, no idle spill); ``cluster_weight``: how many
+    requests that share is of (``Placer.cluster_weight``, decayed; None: the share is taken as exact)."""
     if not views:
         raise ValueError("no workers to choose from")
     c = config
@@ -444,7 +470,15 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
                - (1.0 - c.spill_pull_charge) * v.pull_s for v in views}
         best_eff = min(eff.values())
         dominant = best_h.group_share >= c.spill_group_share
-        spill = dominant and best_h_s > best_eff * (1 + c.spill_ratio) + c.spill_abs_s
+        # its share of the cluster's recent traffic, in workers (None: nothing routed lately); for a
+        # spill, the share it surely has (a lower bound, given how few requests it is measured on)
+        share_w = None if cluster_share is None else cluster_share * len(views)
+        sure_w = None if share_w is None else len(views) * share_lower_bound(cluster_share, cluster_weight, c.spill_share_z)
+        worth = c.spill_share_margin is None or sure_w is None or sure_w >= len(holders) + c.spill_share_margin
+        margin = best_eff * (1 + c.spill_ratio) + c.spill_abs_s
+        if not worth:  # a minor group: only from a swamped holder
+            margin = None if c.minor_spill_prefills is None else margin + c.minor_spill_prefills * prompt_prefill_s
+        spill = dominant and margin is not None and best_h_s > margin
         # an overloaded holder: any group, and no margin ("balance": a spill only overload allows)
         balance = not spill and best_h.worker in over and best_h_s > best_eff + c.tie_abs_s
         if spill or balance:
@@ -453,7 +487,7 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
             return Placement(v.worker, "spill" if spill else "balance", v)
         # a group whose share of the traffic is worth one more holder: as many holders as its share
         # of the workers (a hot group; not one of many whose few requests lately happen to weigh)
-        hot = cluster_share is not None and cluster_share * len(views) >= len(holders) + 0.5
+        hot = share_w is not None and share_w >= len(holders) + c.idle_share_margin
         idle = _idle_target(views, best_h, best_h_s, prompt_prefill_s, c) if dominant and hot else None
         if idle is not None:
             return Placement(idle.worker, "idle", idle)
@@ -561,7 +595,8 @@ class Placer:
         if not views:
             return None
         prefill = full_prefill_s(ranking, prompt) if ranking else PROXY_TOKEN_S * prompt
-        placed = choose(views, usable, prefill, self.config, self.reuse_p, self.cluster_share(groups, now))
+        placed = choose(views, usable, prefill, self.config, self.reuse_p, self.cluster_share(groups, now),
+                        self.cluster_weight(now))
         self.count_routed(placed.worker, key, now)
         self.placements[placed.kind if ranking else f"{placed.kind}-fallback"] += 1
         if reuse:
@@ -658,6 +693,12 @@ class Placer:
                 best[k] += counts.get(k, 0.0) * f
         return max(best.values()) / total if total >= 0.01 and best else None
 
+    def cluster_weight(self, now: float) -> float:
+        """How many requests were routed lately to all workers together (each weighing
+        exp(-age / ``group_tau_s``)): the sample behind ``cluster_share``."""
+        tau = max(self.config.group_tau_s, 1e-9)
+        return sum(self._recent_total[w] * math.exp(-max(0.0, now - self._recent_at[w]) / tau) for w in self.recent)
+
     def groups_per_worker(self, now: float, min_weight: float = 0.5) -> dict[WorkerId, int]:
         """Per worker, the prefix groups routed there lately: those whose decayed request count
         (``group_tau_s``) is at least ``min_weight`` (0.5: a request within ~0.7 x tau). Groups are
@@ -676,6 +717,18 @@ class Placer:
     def commit(self, worker: WorkerId, chain: Sequence[bytes], private_blocks: int, now: float) -> None:
         """Record that a request using ``chain`` (its own domain's hashes) went to ``worker``."""
         self.shadow(worker).touch(chain, private_blocks, now)
+
+
+def share_lower_bound(share: float, weight: float | None, z: float) -> float:
+    """The Wilson score lower bound of a share measured on ``weight`` requests, ``z`` standard
+    errors below (``weight`` None or ``z`` 0: the share itself). 4 of 15 requests (0.27) is at
+    least 0.17 at z = 1; 39 of 39, 0.975."""
+    if weight is None or weight <= 0 or z <= 0:
+        return share
+    p, n, z2 = min(1.0, max(0.0, share)), weight, z * z
+    centre = p + z2 / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return max(0.0, (centre - spread) / (1 + z2 / n))
 
 
 def full_prefill_s(ranking: Sequence[Candidate], prompt_tokens: int) -> float:

@@ -72,6 +72,16 @@ def test_the_idle_spill_of_hot_groups_is_an_app_argument_that_reaches_the_router
     assert pool_config(AppSettings.from_args({"router_idle_spill": False}), tenants).placement().idle_slack == 0
 
 
+def test_whether_a_spill_needs_the_groups_share_of_the_cluster_is_an_app_argument():
+    from cluster.app import AppSettings, pool_config
+    from policies.tenancy import Tenants
+
+    tenants = Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})
+    assert pool_config(AppSettings.from_args({}), tenants).placement().spill_share_margin == 0.0
+    off = pool_config(AppSettings.from_args({"router_spill_needs_share": False}), tenants).placement()
+    assert off.spill_share_margin is None and off.idle_slack > 0
+
+
 @pytest.mark.parametrize("name", ["ray-up-local.yaml", "ray-up-aws-gpu.yaml"])
 def test_ray_up_configs_validate(name):
     from ray.autoscaler._private.util import fillout_defaults, validate_config

@@ -13,7 +13,7 @@ from bench.placement_sim import SimConfig, issue_sizing, simulate
 from bench.workloads import shared_prefix
 from engine.block_pool import prompt_chains
 from policies.placement import (TTFT_ONLY, PlacementConfig, Placer, ShadowCache, WorkerView, choose,
-                                rendezvous_order)
+                                rendezvous_order, share_lower_bound)
 from policies.routing import Candidate, CostConfig, CostModel, PrefillPrior, WorkerLoad
 
 BS = 16
@@ -376,8 +376,8 @@ def test_a_holder_serving_several_groups_keeps_them_and_spills_only_its_dominant
     assert placer.group_share("w0", {_key(a[2])}, 120.0) > 0.9
     p = _route(placer, cm, a[2], workers, idx, {"w0": 2560.0}, now=120.0)
     assert (p.worker, p.kind) == ("w1", "spill")
-    # spill_group_share 0: any group may spill (the rule before)
-    old = Placer(PlacementConfig(spill_group_share=0.0))
+    # spill_group_share 0 and no share of the cluster's traffic needed: any group may spill (the rule before)
+    old = Placer(PlacementConfig(spill_group_share=0.0, spill_share_margin=None))
     for it in (a[0], b[0], c[0]):
         cm.observe_load("w0", WorkerLoad())
         cm.observe_load("w1", WorkerLoad(waiting_tokens=(4000,)))
@@ -385,6 +385,46 @@ def test_a_holder_serving_several_groups_keeps_them_and_spills_only_its_dominant
     cm.observe_load("w1", WorkerLoad())
     cm.observe_load("w0", WorkerLoad(waiting_tokens=(640,) * 4))
     assert _route(old, cm, a[1], workers, idx, {"w0": 2560.0}, now=1.0).kind == "spill"
+
+
+def test_a_group_spills_only_with_its_holders_worth_of_the_clusters_traffic():
+    """A holder's dominant group spills only while its share of the cluster's recent traffic x
+    workers is at least its holders (``spill_share_margin`` 0): one of 12 equal groups that made
+    most of its holder's requests lately by chance (Poisson bursts) stays, where its copy took the
+    room of the resident groups' requests (the cluster bench, session 16: 4 prefixes on a worker
+    sized for 4). A group with a quarter of 4 workers' traffic spills to a second holder, not a
+    third. A minor group leaves only a swamped holder (a whole prefill beyond the spill margin)."""
+    holder = WorkerView("w0", 1.2, 37, (0, 0, -10.0), group_share=0.9)  # 1.2 s > 0.4 x 1.5 + 0.05
+    free = WorkerView("w1", 0.4, 0, (0, 0, -60.0), reused_blocks=37)
+    others = [WorkerView(f"w{i}", 2.0, 0, (0, 0, -10.0)) for i in (2, 3)]
+    views = [holder, free, *others]
+    assert choose(views, 39, 0.6, cluster_share=1 / 12).kind == "match"
+    assert choose(views, 39, 0.6, PlacementConfig(spill_share_margin=None), cluster_share=1 / 12).kind == "spill"
+    assert choose(views, 39, 0.6, cluster_share=0.25).worker == "w1"  # one worker's worth, one holder
+    assert choose(views, 39, 0.6).kind == "spill"  # the cluster's traffic unknown: the holder's share decides
+    second = replace(others[0], local_blocks=37, ttft_s=1.2)
+    assert choose([holder, free, second, others[1]], 39, 0.6, cluster_share=0.25).kind == "match"
+    assert choose([holder, free, second, others[1]], 39, 0.6, cluster_share=0.5).worker == "w1"
+    # a swamped holder (1.3 s > 0.65 s + one 0.6 s prefill) lets even a minor group go
+    swamped = [replace(holder, ttft_s=1.3), free, *others]
+    assert choose(swamped, 39, 0.6, cluster_share=1 / 12).worker == "w1"
+    assert choose(swamped, 39, 0.6, PlacementConfig(minor_spill_prefills=None), cluster_share=1 / 12).kind == "match"
+    # measured on few requests, a share must be sure: 4 of the last 15 (0.27, 1.07 workers' worth)
+    # is at least 0.17 at one standard error (0.68 workers): a chance burst of one of 12 groups
+    assert choose(views, 39, 0.6, cluster_share=4 / 15).kind == "spill"  # taken as exact
+    assert choose(views, 39, 0.6, cluster_share=4 / 15, cluster_weight=15.0).kind == "match"
+    assert choose(views, 39, 0.6, PlacementConfig(spill_share_z=0.0), cluster_share=4 / 15,
+                  cluster_weight=15.0).kind == "spill"
+    assert choose(views, 39, 0.6, cluster_share=1.0, cluster_weight=15.0).kind == "spill"  # a hot group
+
+
+def test_a_shares_lower_bound_tightens_with_the_requests_it_is_measured_on():
+    assert share_lower_bound(4 / 15, 15.0, 1.0) == pytest.approx(0.170, abs=1e-3)
+    assert share_lower_bound(1.0, 39.0, 1.0) == pytest.approx(39 / 40)
+    bounds = [share_lower_bound(0.3, n, 1.0) for n in (5.0, 20.0, 80.0, 320.0)]
+    assert bounds == sorted(bounds) and all(b < 0.3 for b in bounds) and bounds[-1] > 0.27
+    assert share_lower_bound(0.3, None, 1.0) == share_lower_bound(0.3, 20.0, 0.0) == 0.3
+    assert share_lower_bound(0.0, 20.0, 1.0) == 0.0
 
 
 def test_decoding_sequences_move_a_hot_group_but_do_not_decide_a_new_groups_home():
@@ -465,6 +505,9 @@ def test_the_placer_measures_a_groups_share_of_all_workers_traffic():
     for k in range(60):  # a minute of group b alone: hot's share fades
         placer.count_routed("w2", b"b", 10.0 + k)
     assert placer.cluster_share({b"hot"}, 70.0) < 0.01
+    # the requests behind the share: 60 in the last minute, each weighing exp(-age / 10 s)
+    assert placer.cluster_weight(70.0) == pytest.approx(sum(math.exp(-k / 10.0) for k in range(1, 61)), rel=0.02)
+    assert Placer().cluster_weight(0.0) == 0.0
 
 
 def test_a_hot_group_spreads_over_idle_workers_through_the_placer():
