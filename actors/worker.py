@@ -75,7 +75,10 @@ class Worker:
         self.donor_stats = {"pulled": 0, "failed": 0, "skipped": 0}
         self.export_stats = {"calls": 0, "blocks": 0}  # export_prefix served to pulling peers
         self.fault_stats = {"exports_faulted": 0}  # exports the fault hooks slowed or altered
-        self.pull_stats = {"rejected_digest": 0}  # pulled chunks refused: content != the holder's digest
+        # pulled chunks refused (content != the holder's digest); requests that waited for a pull in progress
+        self.pull_stats = {"rejected_digest": 0, "joined": 0}
+        # prefixes this worker is pulling now: (domain, the prompt tokens the pull covers, set when it ends)
+        self._pulling: list[tuple[str, tuple[int, ...], asyncio.Event]] = []
         self._aborted: OrderedDict[str, None] = OrderedDict()  # aborts of requests not (yet) in the engine
 
     def ready(self) -> dict:
@@ -95,6 +98,8 @@ class Worker:
         the request's slot class is fetched first; any failure leaves the request to run as it
         would have (exactly, unless a local donor fits). A request whose approximate KV came
         from a pulled donor reports route "pulled" with those tokens in ``pulled_tokens``."""
+        if not pulls:
+            await self._join_pull(request)
         (local, pulled), donor = await asyncio.gather(self._pull(request, pulls),
                                                       self._pull_donor(request, donor_pulls))
         if request.request_id in self._aborted:
@@ -282,8 +287,38 @@ class Worker:
                                    got["seconds"] if ok else time.perf_counter() - t0, ok)
             return imported
 
-        imported = await asyncio.gather(*(one(p, fits) for p, fits in zip(pulls, room)))
+        span = max((p.end_block for p, fits in zip(pulls, room) if fits), default=0) * self.config.block_size
+        entry = (request.domain, tuple(request.prompt_ids[:span]), asyncio.Event()) if span else None
+        if entry is not None:
+            self._pulling.append(entry)
+        try:
+            imported = await asyncio.gather(*(one(p, fits) for p, fits in zip(pulls, room)))
+        finally:
+            if entry is not None:
+                self._pulling.remove(entry)
+                entry[2].set()
         return local, sum(imported)
+
+    async def _join_pull(self, request: Request) -> None:
+        """A request sent here without pulls whose prompt shares at least a block with a prefix
+        this worker is pulling for an earlier request waits for that pull to end (the router counts
+        a routed prefix as held at once, so a group's next request follows the first): admitted
+        now, it would compute those blocks again (the cluster bench, session 17: two requests of
+        one group 0.35 s apart, the second recomputed). Only its own or granted domains' pulls
+        (another tenant's would be a timing side channel); a pull ends by its own deadline."""
+        if not self._pulling or request.reuse == "none":
+            return
+        domains = {request.domain, *request.read_domains}
+        prompt, bs = request.prompt_ids, self.config.block_size
+        waits = [ev for d, toks, ev in self._pulling
+                 if d in domains and len(os.path.commonprefix([tuple(prompt[:len(toks)]), toks])) >= bs]
+        if not waits:
+            return
+        self.pull_stats["joined"] += 1
+        try:
+            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in waits)), self.pull_timeout_s)
+        except asyncio.TimeoutError:
+            pass
 
     def _pull_chunk_blocks(self) -> int:
         """Blocks per pull chunk: ``pull_chunk_bytes`` of KV (at least one block)."""

@@ -118,6 +118,23 @@ def test_pulls_from_a_corrupt_or_slow_holder_stay_exact(tiny_model):
         ref = ray.get(target.generate_all.remote(Request("ref3", prefix + (5, 6, 7), GREEDY, tenant="t1",
                                                          reuse="none")))
         assert ids(outs) == ids(ref)
+
+        # a second request of the group sent here without pulls while the first one's pull is in
+        # flight (the router counts a routed prefix as held at once) waits for that pull and reuses
+        # it, instead of computing the prefix again; another tenant's request does not wait
+        ray.get(holder.set_faults.remote(["export_slow:3"]))
+        prefix = tuple((17 * i + 4) % 250 + 3 for i in range(70))
+        ray.get(holder.generate_all.remote(Request("warm4", prefix + (9, 9), GREEDY, tenant="t1")))
+        first = target.generate_all.remote(Request("r4", prefix + (5, 6, 7), GREEDY, tenant="t1"),
+                                           (Pull(holder, "n", 0, 4),))
+        time.sleep(1.0)
+        other = ray.get(target.generate_all.remote(Request("r6", prefix + (8, 8), GREEDY, tenant="t2")), timeout=60)
+        second = ray.get(target.generate_all.remote(Request("r5", prefix + (8, 8), GREEDY, tenant="t1")), timeout=60)
+        firsts = ray.get(first, timeout=60)
+        assert firsts[-1].route == "pulled" and firsts[-1].pulled_tokens == 64
+        assert second[-1].route == "local" and second[-1].num_cached_tokens == 64
+        assert other[-1].route == "recomputed" and other[-1].num_cached_tokens == 0
+        assert ray.get(target.stats.remote())["pulls"]["joined"] == 1
         ray.get(holder.set_faults.remote([]))
     finally:
         if started:
