@@ -185,11 +185,11 @@ class PlacementConfig:
     # chance. The idle rule needs ``idle_share_margin`` on the share itself.
     spill_share_margin: float | None = 0.0
     spill_share_z: float = 1.0
+    idle_share_margin: float = 0.5
     # a group short of that share (a minor group) still spills from a holder slower than the spill
     # margin by this many of the prompt's own prefills more (a swamped holder; None: never). The
     # replay's steady, fresh and hot workloads never reach it (1, 2 and 4 read identical to never)
     minor_spill_prefills: float | None = 1.0
-    idle_share_margin: float = 0.5
 
 
 TTFT_ONLY = PlacementConfig(spill_ratio=0.0, spill_abs_s=0.0, evict_weight=0.0, compute_weight=0.0)
@@ -684,29 +684,29 @@ class Placer:
         """The share of the requests routed lately to all workers together (weights decaying with
         ``group_tau_s``) that were of the prompt's group (the best over ``keys``, as ``group_share``).
         None when nothing was routed lately."""
-        tau = max(self.config.group_tau_s, 1e-9)
-        total, best = 0.0, {k: 0.0 for k in keys}
-        for w, counts in self.recent.items():
-            f = math.exp(-max(0.0, now - self._recent_at[w]) / tau)
-            total += self._recent_total[w] * f
-            for k in keys:
-                best[k] += counts.get(k, 0.0) * f
-        return max(best.values()) / total if total >= 0.01 and best else None
+        total = self.cluster_weight(now)
+        if total < 0.01 or not keys:
+            return None
+        return max(sum(counts.get(k, 0.0) * self._decay(w, now) for w, counts in self.recent.items())
+                   for k in keys) / total
 
     def cluster_weight(self, now: float) -> float:
         """How many requests were routed lately to all workers together (each weighing
         exp(-age / ``group_tau_s``)): the sample behind ``cluster_share``."""
-        tau = max(self.config.group_tau_s, 1e-9)
-        return sum(self._recent_total[w] * math.exp(-max(0.0, now - self._recent_at[w]) / tau) for w in self.recent)
+        return sum(self._recent_total[w] * self._decay(w, now) for w in self.recent)
+
+    def _decay(self, worker: WorkerId, now: float) -> float:
+        """The factor that brings ``worker``'s stored weights (kept in the frame that starts at
+        ``_recent_at[worker]``) to ``now``."""
+        return math.exp(-max(0.0, now - self._recent_at[worker]) / max(self.config.group_tau_s, 1e-9))
 
     def groups_per_worker(self, now: float, min_weight: float = 0.5) -> dict[WorkerId, int]:
         """Per worker, the prefix groups routed there lately: those whose decayed request count
         (``group_tau_s``) is at least ``min_weight`` (0.5: a request within ~0.7 x tau). Groups are
         sticky, so this is the split of the groups, and of their load, over the workers."""
-        tau = max(self.config.group_tau_s, 1e-9)
         out: dict[WorkerId, int] = {}
         for w, counts in self.recent.items():
-            f = math.exp(-max(0.0, now - self._recent_at[w]) / tau)
+            f = self._decay(w, now)
             out[w] = sum(1 for v in counts.values() if v * f >= min_weight)
         return out
 
