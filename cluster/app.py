@@ -91,6 +91,9 @@ class AppSettings:
     # between layers when its request arrives (EngineConfig.interrupt_for_guarded)
     guarded_steps_alone: bool = True
     interrupt_for_guarded: bool = True
+    # a request whose prompt continues blocks that a running prefill on its worker is computing
+    # waits for them instead of computing them again (EngineConfig.join_inflight_prefill)
+    join_inflight_prefill: bool = True
     # the router learns, per worker, the wait each decoding sequence adds to a new request's TTFT
     # (policies.routing.DecodeModel), so a busy holder's dominant group spills; false: it charges
     # nothing for decoding sequences (cluster/README, Placement, sessions 8 and 13)
@@ -156,6 +159,7 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                           tenant_quotas=tenants.eviction_quotas(), thread_nice=s.engine_thread_nice,
                           low_priority_prefill_tokens=s.low_priority_prefill_tokens,
                           guarded_steps_alone=s.guarded_steps_alone, interrupt_for_guarded=s.interrupt_for_guarded,
+                          join_inflight_prefill=s.join_inflight_prefill,
                           cache_protect_s=s.cache_protect_s, approx=ApproxConfig(tenant_gates=tenants.quality_gates()))
     return PoolConfig(engine=engine, autoscale=s.autoscale(), shares=tuple(sorted(tenants.worker_shares().items())),
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,

@@ -66,6 +66,9 @@ class EngineConfig:
     # a guarded (latency_guard) class's prefill step carries no lower-class work at all, decodes
     # included, and its first one is alone (engine/scheduler.py; needs alternate_low_prefill)
     guarded_steps_alone: bool = True
+    # a waiting request whose next prompt block a running prefill is computing waits for that
+    # prefill's blocks instead of computing them again (engine/scheduler.py, in-flight prefix join)
+    join_inflight_prefill: bool = True
     # a step of lower classes only is abandoned between layers when a guarded request above them
     # arrives, never two in a row (engine/step_interrupt.py)
     interrupt_for_guarded: bool = True
@@ -115,7 +118,8 @@ class LLMEngine:
             config.max_num_seqs, config.max_num_batched_tokens,
             low_priority_prefill_tokens=config.low_priority_prefill_tokens,
             priority_hold_s=config.priority_hold_s, alternate_low_prefill=config.alternate_low_prefill,
-            guarded_steps_alone=config.guarded_steps_alone), self.kv)
+            guarded_steps_alone=config.guarded_steps_alone,
+            join_inflight_prefill=config.join_inflight_prefill), self.kv)
         self.runner = ModelRunner(self.loaded.model, self.cache, config.attention)
         self.eos_ids = self._eos_ids()
         self.seqs: dict[str, Sequence] = {}
@@ -795,6 +799,7 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
+            "prefill_joins": self.scheduler.num_joined,
             "steps": self.num_steps, "interrupted_steps": self.num_interrupted_steps,
             "failed_requests": self.num_failed, "optional_failures": dict(self.optional_failures),
             "tenants": {

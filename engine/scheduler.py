@@ -31,6 +31,18 @@ request arriving during a lower-class step then gets a step of its own next, ins
 it with another lower-class chunk, and the lower classes still progress every other step. With
 one priority class live nothing changes.
 
+In-flight prefix join (``join_inflight_prefill``, default on): a waiting request whose first
+uncached prompt block is being computed right now by a running prefill it may read (same chain
+hash under one of its readable domains, a producer of at least its priority, exact KV only) is
+not admitted yet: it waits until that prefill has registered the blocks and then takes them as
+hits. Without this, a burst of requests with one new system prompt computes the prompt once per
+request in parallel: each step carries the same tokens several times, and on a CPU a step's time
+grows with its tokens, so every request of the burst gets slower and the pool holds copies. The
+producer's blocks are registered block by block after each step, so the waiter's hit grows with
+the producer's chunks and it is admitted as soon as its next block is not in flight (where the
+prompts diverge, or when the producer finished, was preempted or aborted). Requests behind a
+waiter are admitted meanwhile (this is not a bypass: the waiter is not short of blocks).
+
 When the top live class is *guarded* (``latency_guard``) and has prefill work
 (``guarded_steps_alone``, default on, with ``alternate_low_prefill``), its steps alternate alone /
 shared **starting alone** (so its first prefill step never carries a lower-class chunk, whatever
@@ -66,6 +78,8 @@ class SchedulerConfig:
     # with a guarded top class (latency_guard): its prefill steps alternate alone / shared starting
     # alone, and an alone step carries no lower-class decodes either (needs alternate_low_prefill)
     guarded_steps_alone: bool = True
+    # a waiting request whose next prompt block a running prefill is computing waits for it (see above)
+    join_inflight_prefill: bool = True
 
     def __post_init__(self):
         if self.low_priority_prefill_tokens < 1:
@@ -87,6 +101,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_bypasses = 0  # admissions of a request past an earlier one that did not fit
+        self.num_joined = 0  # requests that waited for a running prefill's blocks (join_inflight_prefill)
+        self._joining: set[Sequence] = set()  # waiting sequences now waiting for a running prefill
         self._bypassed: dict[Sequence, int] = {}  # waiting sequence -> times it was passed over
         self._low_ran = False  # the last step carried throttled (lower-class) prefill tokens
         self._alone_last = False  # the last step was a guarded class's alone (guarded_steps_alone)
@@ -104,6 +120,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._bypassed.pop(seq, None)
+        self._joining.discard(seq)
         self.kv.release(seq)
 
     def priority(self, seq: Sequence) -> int:
@@ -174,6 +191,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens - sum(n for _, n in out)  # preempted plans returned
 
         passed: list[Sequence] = []  # waiting sequences that did not fit this step
+        inflight = self._inflight_blocks(prio) if cfg.join_inflight_prefill else {}
         # what running lower-priority prefills left of their share goes to lower-priority admissions
         reserve = low_left if any(throttled(prio[id(s)], top) for s in self.waiting) else 0
         for seq in sorted(self.waiting, key=lambda s: -prio[id(s)]):
@@ -183,6 +201,9 @@ class Scheduler:
             if low_prio and low_left <= 0:
                 continue  # the lower classes' share of this step is spent: not a bypass
             hit = self.kv.find_prefix(seq)
+            if inflight and self._joins_inflight(seq, len(hit), prio[id(seq)], inflight):
+                continue  # its next blocks are being computed: take them as hits once registered
+            self._joining.discard(seq)
             n = min(len(seq.tokens) - len(hit) * self.kv.block_size, budget)
             if low_prio:
                 n = min(n, low_left)
@@ -209,8 +230,41 @@ class Scheduler:
             budget -= n
             if low_prio:
                 low_left -= n
+            if cfg.join_inflight_prefill:
+                self._add_inflight(seq, prio[id(seq)], inflight)
         self._low_ran = low_left < low_share
         return out
+
+    def _add_inflight(self, seq: Sequence, priority: int, inflight: dict) -> None:
+        """Record the prompt blocks ``seq`` still has to compute and register (exact KV, cached)."""
+        if seq.approx_kv or seq.prefix_chains is None or not self.kv.enable_prefix_caching \
+                or seq.request.reuse == "none":
+            return
+        chain = seq.prefix_chains[1].get(seq.request.domain) or ()
+        for h in chain[seq.num_registered:]:
+            if inflight.get(h, priority - 1) < priority:
+                inflight[h] = priority
+
+    def _inflight_blocks(self, prio: dict[int, int]) -> dict:
+        """Chain hash -> highest priority of a running prefill that will register that block."""
+        out: dict = {}
+        for seq in self.running:
+            if seq.num_computed < seq.num_prompt:
+                self._add_inflight(seq, prio[id(seq)], out)
+        return out
+
+    def _joins_inflight(self, seq: Sequence, hit_blocks: int, priority: int, inflight: dict) -> bool:
+        """Whether ``seq``'s first uncached block is in flight in a prefill it may read, of at
+        least its priority (a lower class's throttled prefill would hold it back)."""
+        if seq.prefix_chains is None:
+            return False
+        for chain in seq.prefix_chains[1].values():
+            if hit_blocks < len(chain) and inflight.get(chain[hit_blocks], priority - 1) >= priority:
+                if seq not in self._joining:
+                    self._joining.add(seq)
+                    self.num_joined += 1
+                return True
+        return False
 
     def _reserve(self, seq: Sequence, n: int, scheduled: set[int], plan: dict[int, int]) -> bool:
         """Grow ``seq``'s blocks for ``n`` more tokens, preempting later sequences if needed

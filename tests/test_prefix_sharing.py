@@ -25,8 +25,8 @@ def tokens(seed: int, n: int) -> tuple[int, ...]:
 
 
 def engine(loaded, num_blocks: int = 64, quotas=None, **kw) -> LLMEngine:
-    cfg = EngineConfig(model=loaded.name, block_size=BS, num_blocks=num_blocks, max_num_batched_tokens=256,
-                       tenant_quotas=quotas or {}, **kw)
+    kw.setdefault("max_num_batched_tokens", 256)
+    cfg = EngineConfig(model=loaded.name, block_size=BS, num_blocks=num_blocks, tenant_quotas=quotas or {}, **kw)
     return LLMEngine(cfg, loaded=loaded)
 
 
@@ -64,7 +64,7 @@ def test_outputs_identical_with_and_without_cache_hits(tiny_model, prefix_len):
     assert all(c == 0 for _, c in ref.values())
 
     eng = engine(tiny_model)
-    together = run(eng, shared_prefix_batch(prefix_len, "t"))  # one batch: computed concurrently
+    together = run(eng, shared_prefix_batch(prefix_len, "t"))  # one batch: joins the first one's prefill
     later = run(eng, shared_prefix_batch(prefix_len, "l"))  # every prefix cached by now
     for i in range(6):
         assert together[f"t{i}"][0] == ref[f"r{i}"][0]
@@ -145,6 +145,71 @@ def test_users_of_one_tenant_share_and_a_grant_continues_the_chain(tiny_model):
     run(eng, [Request("b1", long, greedy(), tenant="B", read_domains=("A",))])
     assert cached_prefix(eng, long + (1,), "B", ("A",)) == 80
     assert cached_prefix(eng, long + (1,), "A") == 48  # B's blocks stay B's
+    assert_drained(eng)
+
+
+# -- in-flight prefix join (engine/scheduler.py) -----------------------------------------------
+def burst(prefix, tenants, n_suffix: int = 8) -> list[Request]:
+    """One request per (tenant, read_domains) in ``tenants``: ``prefix`` + its own suffix."""
+    return [Request(f"b{i}", prefix + tokens(300 + i, n_suffix), greedy(), tenant=t, read_domains=rd)
+            for i, (t, rd) in enumerate(tenants)]
+
+
+@pytest.mark.parametrize("join", [True, False])
+def test_a_burst_with_one_new_prefix_computes_it_once(tiny_model, join):
+    """Three requests with one uncached 96-token prefix sent together, 32-token steps: the
+    first prefills the prefix in chunks; with the join the other two wait for its blocks and
+    take all 96 tokens as hits; without it the second starts as soon as the budget allows and
+    computes the blocks not registered yet itself. Outputs equal the uncached reference either way."""
+    prefix = tokens(90, 96)
+    reqs = burst(prefix, [("acme", ())] * 3)
+    ref = run(engine(tiny_model, enable_prefix_caching=False, max_num_batched_tokens=32), reqs)
+    eng = engine(tiny_model, max_num_batched_tokens=32, join_inflight_prefill=join)
+    out = run(eng, reqs)
+    assert [out[r.request_id][0] for r in reqs] == [ref[r.request_id][0] for r in reqs]
+    assert out["b0"][1] == 0
+    if join:
+        assert out["b1"][1] == out["b2"][1] == 96
+        assert eng.stats()["prefill_joins"] == 2
+    else:
+        assert out["b1"][1] < 96  # b1 started beside b0 and computed blocks b0 was computing
+        assert eng.stats()["prefill_joins"] == 0
+    assert_drained(eng)
+
+
+def test_a_burst_joins_only_prefills_it_may_read_and_not_a_lower_priority_one(tiny_model):
+    prefix = tokens(91, 96)
+    eng = engine(tiny_model, max_num_batched_tokens=32, quotas={"hi": TenantQuota(priority=1)})
+    # B has no grant: it must not wait for A's blocks (a timing channel) and cannot use them
+    out = run(eng, burst(prefix, [("A", ()), ("B", ())]))
+    assert out["b1"][1] == 0 and eng.stats()["prefill_joins"] == 0
+    # G reads A's domain: it waits for A's prefill and hits it
+    prefix2 = tokens(92, 96)
+    out = run(eng, burst(prefix2, [("A", ()), ("G", ("A",))]))
+    assert out["b1"][1] == 96 and eng.stats()["prefill_joins"] == 1
+    # hi outranks lo: it does not wait behind lo's prefill, which a contending higher class throttles
+    prefix3 = tokens(93, 96)
+    out = run(eng, burst(prefix3, [("lo", ()), ("hi", ("lo",))]))
+    assert out["b1"][1] < 96 and eng.stats()["prefill_joins"] == 1
+    assert_drained(eng)
+
+
+def test_a_joined_request_goes_ahead_when_the_prefill_it_waits_for_is_aborted(tiny_model):
+    prefix = tokens(94, 96)
+    eng = engine(tiny_model, max_num_batched_tokens=32)
+    for r in burst(prefix, [("acme", ())] * 2):
+        eng.add_request(r)
+    eng.step()
+    eng.step()  # b0 is prefilling; b1 waits for it
+    assert eng.stats()["prefill_joins"] == 1 and eng.stats()["waiting"] == 1
+    eng.abort("b0")
+    outs: list = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    done = [o for o in outs if o.request_id == "b1" and o.finished]
+    # the blocks b0 registered before the abort: 32 tokens in its first step (the whole budget),
+    # 16 in its second (a running prefill's chunk is half the budget while a request waits)
+    assert done and done[0].num_cached_tokens == 48
     assert_drained(eng)
 
 
