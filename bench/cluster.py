@@ -13,7 +13,9 @@
    config with this run's edits (``bench.cluster_setup``) from the head (``ray exec``), wait until
    it serves, warm up, then drive (a) the shared-prefix workload with inference-perf
    (``bench.ipperf``: Poisson arrivals, its ``shared_prefix`` generator; ``--sweep steady``, the
-   default: ONE run whose stages are a warm-up and the offered rates, over one set of groups, as
+   default: ONE run whose stages are a warm-up (until every group has been sent once, read from
+   inference-perf's own prompt order: ``bench/ipperf_groups.py``, ``--warmup-max-s``) and the
+   offered rates, over one set of groups, as
    inference-perf sweeps and as an application's system prompts stay in use; ``--sweep fresh``:
    a separate run per rate with new groups each, so every stage starts cold; no prompt repeats
    in either), then its hot-prefix variant at ``--hot-rates`` (one group: one system prompt
@@ -38,6 +40,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import platform
 import random
@@ -341,6 +344,10 @@ def parse_args(argv=None):
                     help="fresh: one inference-perf run per rate, each with new groups (every stage starts cold); "
                          "steady: one inference-perf run over all rates (after a warm-up stage) and one set of "
                          "groups, as inference-perf sweeps: system prompts stay in use across stages")
+    ap.add_argument("--warmup-max-s", type=int, default=None,
+                    help="steady sweep: the warm-up stage lasts until every group has been sent once (from "
+                         "inference-perf's own prompt order, bench/ipperf_groups.py), at least one stage and at "
+                         "most this long (default 4 stages); 0: exactly one stage, as before session 18")
     ap.add_argument("--step-trace", action="store_true",
                     help="engines write step traces (engine/step_trace.py); each stage gets engine_steps "
                          "(bench/steps.py: engine-side TTFT, requests that arrived at a busy engine, host speed)")
@@ -349,6 +356,7 @@ def parse_args(argv=None):
     a = ap.parse_args(argv)
     a.rates = [float(x) for x in (a.rates or ("0.5,1.5" if a.quick else "0.5,1.0,2.0")).split(",")]
     a.stage_s = a.stage_s or (20 if a.quick else 30)
+    a.warmup_max_s = 4 * a.stage_s if a.warmup_max_s is None else a.warmup_max_s
     a.groups = a.groups or (8 if a.quick else 12)
     a.users = a.users or max(4, int(max(a.rates) * a.stage_s / a.groups) + 1)
     hot = ("" if a.quick else "0.7,1.3") if a.hot_rates is None else a.hot_rates
@@ -671,6 +679,28 @@ class Sampler:
         return next((x for x in self.samples if x[0] >= t), self.samples[-1])
 
 
+def warmup_stage(spec: ipperf.SharedPrefixSpec, rate: float, stage_s: int, max_s: int, exe, d: Path, cl: Cluster,
+                 mdir) -> tuple[int, str]:
+    """The steady sweep's warm-up duration: long enough that every group is sent once before the
+    measured stages (inference-perf walks one fixed shuffle of the prompts, so a one-stage warm-up
+    of 15 requests showed 9 of 12 groups, and the 1 req/s stage's p99 was the first sight of the
+    other three, for every configuration alike), at least ``stage_s``, at most ``max_s``. The
+    order is read from inference-perf's own generator (``ipperf.group_order``); where that fails
+    the warm-up is one stage. Returns (seconds, what it covers, for the log and the JSON)."""
+    if max_s <= stage_s or spec.groups <= 1:
+        return stage_s, "one stage"
+    probe = d / "groups-probe.yaml"
+    setup.dump_yaml(ipperf.config(spec, [rate], stage_s, cl.base_url, "probe", MODEL, str(mdir), d / "probe"), probe)
+    try:
+        need = ipperf.requests_to_cover(ipperf.group_order(exe, probe))
+    except Exception as e:  # noqa: BLE001 - the bench still runs, with the old warm-up
+        return stage_s, f"one stage: group order unknown ({type(e).__name__}: {e})"
+    secs = min(max_s, max(stage_s, math.ceil(need / rate)))
+    sent = int(rate * secs)
+    return secs, f"{sent} requests, every group by request {need}" if sent >= need else \
+        f"{sent} requests, {need} needed to show every group"
+
+
 def shared_prefix_steady(cl: Cluster, name: str, args, exe, mdir, tok, rates: list[float], log,
                          hot: bool = False) -> list[dict]:
     """The shared-prefix sweep as inference-perf runs one: a single run whose load stages are a
@@ -681,21 +711,25 @@ def shared_prefix_steady(cl: Cluster, name: str, args, exe, mdir, tok, rates: li
     over the whole run (a group warmed in an earlier stage is a hit for the oracle too), CPU and
     routing decisions from a ``Sampler`` cut at the stage's wall-clock window."""
     stage_rates = [rates[0], *rates]
-    total = sum(r * args.stage_s for r in stage_rates)
     groups = 1 if hot else args.groups
+    warm_max = max(args.stage_s, args.warmup_max_s)
+    total = rates[0] * warm_max + sum(r * args.stage_s for r in rates)
     users = int(total * 1.3 / groups) + 4
     spec = ipperf.SharedPrefixSpec(groups, users, args.system_len, args.question_len, args.output_len,
                                    seed=3000 if hot else 4000)
     d = cl.out / f"{name.replace('+', '-')}-{'hot' if hot else 'shared'}-steady"
     d.mkdir(parents=True, exist_ok=True)
-    cfg = ipperf.config(spec, stage_rates, args.stage_s, cl.base_url, f"sk-{setup.BENCH_TENANT}", MODEL, str(mdir),
+    warm_s, cover = warmup_stage(spec, rates[0], args.stage_s, warm_max, exe, d, cl, mdir)
+    durations = [warm_s] + [args.stage_s] * len(rates)
+    cfg = ipperf.config(spec, stage_rates, durations, cl.base_url, f"sk-{setup.BENCH_TENANT}", MODEL, str(mdir),
                         d / "reports")
     setup.dump_yaml(cfg, d / "inference-perf.yaml")
-    log(f"{name}: {'hot' if hot else 'shared'} prefix, one run, warm-up + {len(rates)} stages of {args.stage_s}s "
-        f"at {', '.join(f'{r:g}' for r in rates)} req/s over {groups} groups (inference-perf)")
+    log(f"{name}: {'hot' if hot else 'shared'} prefix, one run, warm-up of {warm_s}s ({cover}) + {len(rates)} "
+        f"stages of {args.stage_s}s at {', '.join(f'{r:g}' for r in rates)} req/s over {groups} groups "
+        f"(inference-perf)")
     with Sampler(cl) as sampler:
         rc = ipperf.run(exe, d / "inference-perf.yaml", d / "inference-perf.log",
-                        timeout_s=len(stage_rates) * (args.stage_s * 6 + 120) + 300)
+                        timeout_s=sum(t * 6 + 120 for t in durations) + 300)
     per_stage, prompts = ipperf.results(d / "reports", len(stage_rates), relative=False)
     loads = ipperf.load_summaries(d / "reports", len(stage_rates))
     oracle = workloads.oracle_hits(prompt_items(tok, [p for ps in prompts for p in ps]))
@@ -712,7 +746,7 @@ def shared_prefix_steady(cl: Cluster, name: str, args, exe, mdir, tok, rates: li
         t1 = max(r.sent_s + (r.latency_s or 0) for r in results) + to_wall
         results = [dataclasses.replace(r, sent_s=r.sent_s + to_wall - t0) for r in results]
         s = stage_figures(results, stage_oracle, rate, loads[i], args, t1 - t0, warmup=i == 0, inference_perf_rc=rc,
-                          run_s=round(t1 - t0, 1), wall_clock=[t0, t1])
+                          run_s=round(t1 - t0, 1), wall_clock=[t0, t1], **({"warmup_cover": cover} if i == 0 else {}))
         (_, c0, m0), (_, c1, m1) = sampler.at(t0), sampler.at(t1)
         s.update(cpu=cpu_delta(c0, c1, s["ok"]), kvmesh_metrics=decisions(metrics_delta(m0, m1), m1))
         log_stage(log, name, s)

@@ -72,15 +72,17 @@ class SharedPrefixSpec:
         return self.groups * self.users
 
 
-def config(spec: SharedPrefixSpec, rates: list[float], stage_s: int, base_url: str, api_key: str, model: str,
-           tokenizer_dir: str, out_dir: Path, interval_s: float = 3.0, timeout_s: float = 120.0) -> dict:
-    """inference-perf's config for one configuration's sweep."""
+def config(spec: SharedPrefixSpec, rates: list[float], stage_s: int | list[int], base_url: str, api_key: str,
+           model: str, tokenizer_dir: str, out_dir: Path, interval_s: float = 3.0, timeout_s: float = 120.0) -> dict:
+    """inference-perf's config for one configuration's sweep (``stage_s``: one duration for every
+    stage, or one per stage; a Poisson stage sends ``int(rate x duration)`` requests)."""
+    durations = list(stage_s) if isinstance(stage_s, (list, tuple)) else [stage_s] * len(rates)
     return {
         "api": {"type": "completion", "streaming": True},
         "data": {"type": "shared_prefix", "shared_prefix": {
             "num_groups": spec.groups, "num_prompts_per_group": spec.users, "system_prompt_len": spec.system_len,
             "question_len": spec.question_len, "output_len": spec.output_len, "seed": spec.seed}},
-        "load": {"type": "poisson", "interval": interval_s, "stages": [{"rate": r, "duration": stage_s} for r in rates],
+        "load": {"type": "poisson", "interval": interval_s, "stages": [{"rate": r, "duration": d} for r, d in zip(rates, durations, strict=True)],
                  "num_workers": 1, "worker_max_concurrency": 256, "request_timeout": timeout_s, "base_seed": spec.seed},
         "server": {"type": "vllm", "model_name": model, "base_url": base_url, "ignore_eos": True, "api_key": api_key},
         "tokenizer": {"pretrained_model_name_or_path": tokenizer_dir},
@@ -89,6 +91,29 @@ def config(spec: SharedPrefixSpec, rates: list[float], stage_s: int, base_url: s
                                                                 "response": False}}},
         "storage": {"local_storage": {"path": str(out_dir)}},
     }
+
+
+def group_order(exe: Path, config_path: Path) -> list[int]:
+    """The group of each request the config's ``shared_prefix`` generator sends, in send order
+    (``bench/ipperf_groups.py`` under inference-perf's own interpreter; its order depends on the
+    data section only: groups, users, lengths, seed)."""
+    script = Path(__file__).resolve().parent / "ipperf_groups.py"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("PYTHONPATH", None)
+    out = subprocess.run([str(exe.parent / "python"), str(script), str(config_path)], capture_output=True, text=True,
+                         env=env, timeout=600, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def requests_to_cover(order: list[int]) -> int:
+    """How many requests from the start of ``order`` it takes to send every group at least once."""
+    seen: set[int] = set()
+    groups = set(order)
+    for i, g in enumerate(order):
+        seen.add(g)
+        if seen == groups:
+            return i + 1
+    return len(order)
 
 
 def run(exe: Path, config_path: Path, log: Path, timeout_s: float) -> int:

@@ -185,6 +185,41 @@ def test_inference_perf_config_uses_its_shared_prefix_generator_and_a_poisson_sw
     assert spec.distinct_prefix_tokens == 12 * 512 and spec.prompts == 96
 
 
+def test_inference_perf_stages_may_have_their_own_durations(tmp_path):
+    spec = ipperf.SharedPrefixSpec(12, 8, 512, 40, 16, seed=3)
+    c = ipperf.config(spec, [0.5, 0.5, 1.0], [48, 30, 30], "http://10.9.1.2:8000", "sk", "m", "/tok", tmp_path)
+    assert [(s["rate"], s["duration"]) for s in c["load"]["stages"]] == [(0.5, 48), (0.5, 30), (1.0, 30)]
+    with pytest.raises(ValueError):
+        ipperf.config(spec, [0.5, 1.0], [30], "http://10.9.1.2:8000", "sk", "m", "/tok", tmp_path)
+
+
+def test_the_warm_up_lasts_until_every_group_was_sent_within_its_bounds(tmp_path, monkeypatch):
+    from bench import cluster as cb
+
+    assert ipperf.requests_to_cover([7, 8, 7, 1, 8, 0, 1, 3, 0]) == 8
+    assert ipperf.requests_to_cover([2, 2]) == 1
+    spec = ipperf.SharedPrefixSpec(4, 10, 512, 40, 16, seed=3)
+
+    class FakeCluster:
+        base_url = "http://127.0.0.1:1"
+
+    order = [0, 1, 0, 1, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3]  # group 3 first at request 15
+    monkeypatch.setattr(cb.ipperf, "group_order", lambda exe, path: order)
+    assert cb.warmup_stage(spec, 0.5, 10, 40, "exe", tmp_path, FakeCluster(), "/m") == \
+        (30, "15 requests, every group by request 15")
+    assert cb.warmup_stage(spec, 0.5, 10, 20, "exe", tmp_path, FakeCluster(), "/m") == \
+        (20, "10 requests, 15 needed to show every group")  # capped
+    assert cb.warmup_stage(spec, 2.0, 10, 40, "exe", tmp_path, FakeCluster(), "/m")[0] == 10  # at least a stage
+    assert cb.warmup_stage(spec, 0.5, 10, 0, "exe", tmp_path, FakeCluster(), "/m") == (10, "one stage")
+
+    def broken(exe, path):
+        raise RuntimeError("no venv")
+
+    monkeypatch.setattr(cb.ipperf, "group_order", broken)
+    secs, why = cb.warmup_stage(spec, 0.5, 10, 40, "exe", tmp_path, FakeCluster(), "/m")
+    assert secs == 10 and "no venv" in why
+
+
 def _stage(rate, thr, p99, cached, oracle):
     return {"rate": rate, "ok": 10, "requests": 10, "errors": 0, "request_throughput": thr,
             "output_token_throughput": thr * 16, "goodput": thr, "ttft_s": {"p50": p99 / 2, "p90": p99 * 0.8, "p99": p99},
@@ -375,10 +410,16 @@ def test_steady_sweep_is_one_inference_perf_run_cut_into_stages(tmp_path, monkey
         def encode(self, text, add_special_tokens=True):
             return [sum(map(ord, w)) for w in text.split()]
 
-    args = argparse.Namespace(stage_s=10, groups=3, system_len=512, question_len=40, output_len=16, ttft_slo=2.0)
+    # inference-perf's prompt order: every group sent by the 7th request -> a 14-s warm-up at 0.5 req/s
+    order = [0, 0, 1, 0, 1, 0, 2, 1, 2]
+    monkeypatch.setattr(cb.ipperf, "group_order", lambda exe, path: order)
+    args = argparse.Namespace(stage_s=10, groups=3, system_len=512, question_len=40, output_len=16, ttft_slo=2.0,
+                              warmup_max_s=40)
     stages = cb.shared_prefix_steady(FakeCluster(), "kvmesh", args, "exe", "/m", Tok(), [0.5, 1.5], lambda m: None)
     cfg = configs[0]
     assert [s["rate"] for s in cfg["load"]["stages"]] == [0.5, 0.5, 1.5]  # warm-up + each rate, one run
+    assert [s["duration"] for s in cfg["load"]["stages"]] == [14, 10, 10]
+    assert stages[0]["warmup_cover"] == "7 requests, every group by request 7"
     assert cfg["data"]["shared_prefix"]["num_groups"] == 3
     assert cfg["data"]["shared_prefix"]["num_prompts_per_group"] * 3 >= (0.5 + 0.5 + 1.5) * 10  # no repeats
     assert [s["warmup"] for s in stages] == [True, False, False] and [s["requests"] for s in stages] == [1, 2, 2]
