@@ -348,6 +348,10 @@ def parse_args(argv=None):
                     help="steady sweep: the warm-up stage lasts until every group has been sent once (from "
                          "inference-perf's own prompt order, bench/ipperf_groups.py), at least one stage and at "
                          "most this long (default 4 stages); 0: exactly one stage, as before session 18")
+    ap.add_argument("--unseeded-arrivals", dest="seeded_arrivals", action="store_false",
+                    help="inference-perf draws its Poisson arrival times unseeded (its own behaviour): every "
+                         "configuration gets different ones. Default: seeded through bench/ipperf_seeded.py, the "
+                         "same arrival times for every configuration")
     ap.add_argument("--step-trace", action="store_true",
                     help="engines write step traces (engine/step_trace.py); each stage gets engine_steps "
                          "(bench/steps.py: engine-side TTFT, requests that arrived at a busy engine, host speed)")
@@ -609,7 +613,8 @@ def shared_prefix_rate(cl: Cluster, name: str, args, exe, mdir, tok, k: int, rat
     log(f"{name}: {'hot' if hot else 'shared'} prefix at {rate:g} req/s for {args.stage_s}s (inference-perf)")
     t0, wall0 = time.monotonic(), time.time()
     cpu0 = cpu_by_component(cl)
-    rc = ipperf.run(exe, d / "inference-perf.yaml", d / "inference-perf.log", timeout_s=args.stage_s * 6 + 300)
+    rc = ipperf.run(exe, d / "inference-perf.yaml", d / "inference-perf.log", timeout_s=args.stage_s * 6 + 300,
+                    arrival_seed=spec.seed if args.seeded_arrivals else None)
     cpu1 = cpu_by_component(cl)
     (results,), (prompts,) = ipperf.results(d / "reports", 1)
     oracle = workloads.oracle_hits(prompt_items(tok, prompts))
@@ -729,7 +734,8 @@ def shared_prefix_steady(cl: Cluster, name: str, args, exe, mdir, tok, rates: li
         f"(inference-perf)")
     with Sampler(cl) as sampler:
         rc = ipperf.run(exe, d / "inference-perf.yaml", d / "inference-perf.log",
-                        timeout_s=sum(t * 6 + 120 for t in durations) + 300)
+                        timeout_s=sum(t * 6 + 120 for t in durations) + 300,
+                        arrival_seed=spec.seed if args.seeded_arrivals else None)
     per_stage, prompts = ipperf.results(d / "reports", len(stage_rates), relative=False)
     loads = ipperf.load_summaries(d / "reports", len(stage_rates))
     oracle = workloads.oracle_hits(prompt_items(tok, [p for ps in prompts for p in ps]))

@@ -116,12 +116,23 @@ def requests_to_cover(order: list[int]) -> int:
     return len(order)
 
 
-def run(exe: Path, config_path: Path, log: Path, timeout_s: float) -> int:
+def command(exe: Path, config_path: Path, arrival_seed: int | None = None) -> list[str]:
+    """inference-perf's command line; with ``arrival_seed`` through ``bench/ipperf_seeded.py``, so
+    its Poisson arrival times are the same for every run with that seed (its own timer is unseeded)."""
+    if arrival_seed is None:
+        return [str(exe), "--config_file", str(config_path)]
+    return [str(exe.parent / "python"), str(Path(__file__).resolve().parent / "ipperf_seeded.py"),
+            "--config_file", str(config_path)]
+
+
+def run(exe: Path, config_path: Path, log: Path, timeout_s: float, arrival_seed: int | None = None) -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("PYTHONPATH", None)  # its own venv, not kvmesh's
+    if arrival_seed is not None:
+        env["KVMESH_IPERF_ARRIVAL_SEED"] = str(arrival_seed)
     with open(log, "wb") as f:
-        return subprocess.run([str(exe), "--config_file", str(config_path)], stdout=f, stderr=subprocess.STDOUT,
-                              env=env, timeout=timeout_s).returncode
+        return subprocess.run(command(exe, config_path, arrival_seed), stdout=f, stderr=subprocess.STDOUT,
+                               env=env, timeout=timeout_s).returncode
 
 
 def _report(out_dir: Path, name: str):

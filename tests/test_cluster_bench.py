@@ -193,6 +193,14 @@ def test_inference_perf_stages_may_have_their_own_durations(tmp_path):
         ipperf.config(spec, [0.5, 1.0], [30], "http://10.9.1.2:8000", "sk", "m", "/tok", tmp_path)
 
 
+def test_seeded_arrivals_run_inference_perf_through_the_seeding_wrapper():
+    exe = Path("/venv/bin/inference-perf")
+    assert ipperf.command(exe, Path("c.yaml")) == ["/venv/bin/inference-perf", "--config_file", "c.yaml"]
+    cmd = ipperf.command(exe, Path("c.yaml"), arrival_seed=4000)
+    assert cmd[0] == "/venv/bin/python" and cmd[1].endswith("bench/ipperf_seeded.py") and Path(cmd[1]).exists()
+    assert cmd[2:] == ["--config_file", "c.yaml"]
+
+
 def test_the_warm_up_lasts_until_every_group_was_sent_within_its_bounds(tmp_path, monkeypatch):
     from bench import cluster as cb
 
@@ -367,9 +375,9 @@ def test_steady_sweep_is_one_inference_perf_run_cut_into_stages(tmp_path, monkey
     prompts = [f"{prefix} q{i}" for i in range(5)]  # one group: every prompt after the first hits
     configs = []
 
-    def fake_run(exe, config_path, log, timeout_s):
+    def fake_run(exe, config_path, log, timeout_s, arrival_seed=None):
         cfg = yaml.safe_load(Path(config_path).read_text())
-        configs.append(cfg)
+        configs.append({**cfg, "arrival_seed": arrival_seed})
         out = Path(cfg["storage"]["local_storage"]["path"])
         out.mkdir(parents=True, exist_ok=True)
         t_perf = _time.perf_counter()  # the "run": requests sent every 0.1 s, 0.05 s each
@@ -414,11 +422,12 @@ def test_steady_sweep_is_one_inference_perf_run_cut_into_stages(tmp_path, monkey
     order = [0, 0, 1, 0, 1, 0, 2, 1, 2]
     monkeypatch.setattr(cb.ipperf, "group_order", lambda exe, path: order)
     args = argparse.Namespace(stage_s=10, groups=3, system_len=512, question_len=40, output_len=16, ttft_slo=2.0,
-                              warmup_max_s=40)
+                              warmup_max_s=40, seeded_arrivals=True)
     stages = cb.shared_prefix_steady(FakeCluster(), "kvmesh", args, "exe", "/m", Tok(), [0.5, 1.5], lambda m: None)
     cfg = configs[0]
     assert [s["rate"] for s in cfg["load"]["stages"]] == [0.5, 0.5, 1.5]  # warm-up + each rate, one run
     assert [s["duration"] for s in cfg["load"]["stages"]] == [14, 10, 10]
+    assert cfg["arrival_seed"] == cfg["data"]["shared_prefix"]["seed"]  # same arrivals for every configuration
     assert stages[0]["warmup_cover"] == "7 requests, every group by request 7"
     assert cfg["data"]["shared_prefix"]["num_groups"] == 3
     assert cfg["data"]["shared_prefix"]["num_prompts_per_group"] * 3 >= (0.5 + 0.5 + 1.5) * 10  # no repeats
