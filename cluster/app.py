@@ -106,6 +106,10 @@ class AppSettings:
     # cluster's recent traffic is surely worth its holders (PlacementConfig.spill_share_margin,
     # cluster/README, Placement, session 17); false: any dominant group spills
     router_spill_needs_share: bool = True
+    # a holder whose queue wait (averaged over 30 s) exceeds this x the least-waiting worker's + 2 s
+    # lets any of its groups go, to the worker that starts the request sooner counting a pull or a
+    # prefill (PlacementConfig.balance_ratio, "balance" decisions); 0: off (cluster/README, sessions 12, 18)
+    router_balance_ratio: float = 0.0
     # a prefix block reused within this many seconds is evicted after requests' unshared tails
     # (EngineConfig.cache_protect_s, policies/eviction.py); 0: plain LRU
     cache_protect_s: float = 60.0
@@ -165,7 +169,7 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,
                       auto_device=s.device is None, auto_dtype=s.dtype is None, ready_timeout_s=s.ready_timeout_s,
                       app=app, router_learn_decode=s.router_learn_decode, router_idle_spill=s.router_idle_spill,
-                      router_spill_needs_share=s.router_spill_needs_share)
+                      router_spill_needs_share=s.router_spill_needs_share, router_balance_ratio=s.router_balance_ratio)
 
 
 def build_app(args: dict) -> Application:

@@ -87,6 +87,9 @@ class PoolConfig:
     # False: PlacementConfig.spill_share_margin = None (any group dominant on its holder spills, without
     # its holders' worth of the cluster's traffic)
     router_spill_needs_share: bool = True
+    # PlacementConfig.balance_ratio: a holder whose averaged queue wait exceeds this x the least-waiting
+    # worker's + balance_abs_s lets any of its groups go (0: off, the default)
+    router_balance_ratio: float = 0.0
     probe_interval_s: float = 30.0  # light link probes between workers on different nodes (0: off)
     health_interval_s: float = 2.0  # engine/actor death watch per worker (0: off); its retry delay
     health_timeout_s: float = 10.0  # a slower answer is not a death (unreachable != dead)
@@ -96,6 +99,8 @@ class PoolConfig:
         off: dict = {} if self.router_idle_spill else {"idle_slack": 0.0}
         if not self.router_spill_needs_share:
             off["spill_share_margin"] = None
+        if self.router_balance_ratio:
+            off["balance_ratio"] = self.router_balance_ratio
         return PlacementConfig(**off)
 
 

@@ -82,6 +82,16 @@ def test_whether_a_spill_needs_the_groups_share_of_the_cluster_is_an_app_argumen
     assert off.spill_share_margin is None and off.idle_slack > 0
 
 
+def test_the_overloaded_holder_balance_rule_is_an_app_argument_off_by_default():
+    from cluster.app import AppSettings, pool_config
+    from policies.tenancy import Tenants
+
+    tenants = Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})
+    assert pool_config(AppSettings.from_args({}), tenants).placement().balance_ratio == 0.0
+    on = pool_config(AppSettings.from_args({"router_balance_ratio": 2}), tenants).placement()
+    assert on.balance_ratio == 2.0 and on.spill_share_margin == 0.0
+
+
 @pytest.mark.parametrize("name", ["ray-up-local.yaml", "ray-up-aws-gpu.yaml"])
 def test_ray_up_configs_validate(name):
     from ray.autoscaler._private.util import fillout_defaults, validate_config
