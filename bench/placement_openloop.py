@@ -92,23 +92,31 @@ class Stage:
 
 def stages(rates: Sequence[float] = (0.4, 0.7, 1.0, 1.3), stage_s: float = 45.0, groups: int = 12, users: int = 5,
            system_len: int = 512, question_len: int = 40, output_len: int = 16, seed: int = 0,
-           hot: bool = False, steady: bool = False) -> list[Stage]:
+           hot: bool = False, steady: bool = False, warmup_stages: int = 1) -> list[Stage]:
     """One stage per rate, fresh groups each (``hot``: one group, users enough that no prompt
     repeats, as the bench's hot-prefix variant); Poisson arrivals over ``stage_s``. ``steady``:
     the bench's ``--sweep steady``: one set of groups walked through a warm-up stage at the first
-    rate and then every rate (users enough that no prompt repeats)."""
+    rate and then every rate (users enough that no prompt repeats). ``warmup_stages`` > 1: the
+    warm-up lasts whole stages until every group has been sent once, at most that many (as
+    ``bench/cluster.py``'s warm-up since session 18)."""
     if steady:
         rates = [rates[0], *rates]
-        n_users = int(sum(rates) * stage_s * 1.3 / (1 if hot else groups)) + 4
+        n_users = int((sum(rates) + rates[0] * (warmup_stages - 1)) * stage_s * 1.3 / (1 if hot else groups)) + 4
         pool = iter(shared_prefix(1 if hot else groups, n_users, system_len, question_len, output_len,
                                   seed=seed * 7919 + 3000))
         out = []
         for k, rate in enumerate(rates):
             rng = random.Random(seed * 7919 + k)
-            t, items = 0.0, []
-            while (t := t + rng.expovariate(rate)) <= stage_s:
-                items.append(replace(next(pool), at_s=t))
-            out.append(Stage(rate, tuple(items), stage_s, warmup=k == 0))
+            t, items, span = 0.0, [], stage_s
+            while True:
+                while (t := t + rng.expovariate(rate)) <= span:
+                    items.append(replace(next(pool), at_s=t))
+                t = span  # the next whole stage starts at its own clock; arrivals are memoryless
+                seen = {it.group for it in items}
+                if k or len(seen) >= (1 if hot else groups) or span >= warmup_stages * stage_s - 1e-9:
+                    break
+                span += stage_s
+            out.append(Stage(rate, tuple(items), span, warmup=k == 0))
         return out
     out = []
     for k, rate in enumerate(rates):
@@ -429,6 +437,12 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "group tau 15": ({"group_tau_s": 15.0}, 0.0, "new"),
     "group tau 60": ({"group_tau_s": 60.0}, 0.0, "new"),
     "place tie 0": ({"place_tie": 0.0}, 0.0, "new"),
+    "place tie 0.25": ({"place_tie": 0.25}, 0.0, "new"),  # the default before session 19
+    "place tie 0.5": ({"place_tie": 0.5}, 0.0, "new"),
+    "place tie 1": ({"place_tie": 1.0}, 0.0, "new"),  # a new prefix: headroom decides within one prefill
+    "relieve": ({"relieve": True}, 0.0, "new"),
+    "relieve+tie 1": ({"relieve": True, "place_tie": 1.0}, 0.0, "new"),
+    "place tie 2": ({"place_tie": 2.0, "place_slack": 2.0}, 0.0, "new"),
     "decode places": ({"place_counts_decode": True}, 0.0, "new"),
     "pull charge 1": ({"spill_pull_charge": 1.0}, 0.0, "new"),
     "pull charge 0": ({"spill_pull_charge": 0.0}, 0.0, "new"),
@@ -439,7 +453,8 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
 
 
 def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _cache: dict = {},
-                steady: bool = False, rates: Sequence[float] | None = None, stage_s: float = 45.0) -> list[dict]:
+                steady: bool = False, rates: Sequence[float] | None = None, stage_s: float = 45.0,
+                warmup_stages: int = 1) -> list[dict]:
     """``name``: a router, a ``VARIANTS`` key, or either with ``+learn`` (the decode term learned)."""
     base, learn = (name[: -len("+learn")], True) if name.endswith("+learn") else (name, False)
     fields, decode_s, kind = VARIANTS[base] if base in VARIANTS else ({}, 0.0, "new")
@@ -451,7 +466,8 @@ def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _ca
     legacy_cfg = sys.modules[placer_cls.__module__].PlacementConfig if rev is not None else PlacementConfig
     rows = []
     for seed in seeds:
-        run = stages(rates or (0.4, 0.7, 1.0, 1.3), stage_s=stage_s, seed=seed, hot=hot, steady=steady)
+        run = stages(rates or (0.4, 0.7, 1.0, 1.3), stage_s=stage_s, seed=seed, hot=hot, steady=steady,
+                     warmup_stages=warmup_stages)
         res = simulate(run, router, replace(cfg, seed=seed), legacy_cfg(**fields),
                        decode_s, placer_cls, learn_decode=learn)
         rows.append({"seed": seed, **res})
@@ -497,7 +513,10 @@ def aggregate(rows: list[dict]) -> dict:
                                                                           "ttft_p99")]
                                  for s in r["stages"] if not s["warmup"]}
                 for r in rows}
+    warm = [max((s.get("groups_per_worker") or {0: 0}).values()) for r in rows for s in r["stages"] if s["warmup"]]
     return {"per_rate": out, "hit_vs_oracle": hits / oracle if oracle else 1.0,
+            # per seed, the most groups one worker served in the warm-up (12 groups, 4 workers: 3 is even)
+            "warmup_max_groups": warm,
             "reuse_p_end": [r["reuse_p_end"] for r in rows], "seeds": len(rows),
             "per_seed": per_seed}  # seed -> rate -> [throughput, p50, p90, p99]
 
@@ -532,6 +551,12 @@ def main(argv=None) -> None:
     ap.add_argument("--rates", default=None, help="offered rates (req/s), comma separated")
     ap.add_argument("--stage-s", type=float, default=45.0,
                     help="seconds per rate (the cluster bench's default: 30)")
+    ap.add_argument("--warmup-stages", type=int, default=1,
+                    help="steady: the warm-up lasts whole stages until every group was sent, at most this many "
+                         "(the cluster bench since session 18: 4)")
+    ap.add_argument("--token-s", type=float, default=OpenConfig.token_s,
+                    help="seconds per prefill token (default ~1/212: one idle host; the cluster bench's hosts "
+                         "measured ~1/40 under load in session 18: 0.025)")
     ap.add_argument("--speed-jitter", type=float, default=0.0,
                     help="worker k's steps take (1 + u_k) x as long, u_k uniform in [-x, +x] per seed "
                          "(the cluster's hosts measured 12.4-15.2 ms per prefill token, +-10%%)")
@@ -540,7 +565,7 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default=str(ROOT / "bench/results/placement_sim_tradeoff.json"),
                     help="merge the aggregated rows into this file (by workload and variant)")
     a = ap.parse_args(argv)
-    cfg = OpenConfig(speed_jitter=a.speed_jitter, capacity_blocks=a.capacity_blocks)
+    cfg = OpenConfig(speed_jitter=a.speed_jitter, capacity_blocks=a.capacity_blocks, token_s=a.token_s)
     path = Path(a.json)
     doc = json.loads(path.read_text()) if path.exists() else {}
     doc.setdefault("bench", "bench/placement_openloop.py")
@@ -557,12 +582,14 @@ def main(argv=None) -> None:
             continue
         rates = [float(x) for x in a.rates.split(",")] if a.rates else None
         agg = aggregate(run_variant(name, range(a.seeds), a.workload == "hot", cfg, steady=a.workload == "steady",
-                                    rates=rates, stage_s=a.stage_s))
+                                    rates=rates, stage_s=a.stage_s, warmup_stages=a.warmup_stages))
         res[name] = agg
         pr = agg["per_rate"]
         print(f"{a.workload:6s} {name:32s} hit {agg['hit_vs_oracle']:.3f}  " + "  ".join(
             f"@{r}: {v['throughput']:.2f}/s p50 {v['ttft_p50']:.1f} p90 {v['ttft_p90']:.1f} p99 {v['ttft_p99']:.1f}"
-            for r, v in pr.items()) + f"  ({time.perf_counter() - t:.0f} s)", flush=True)
+            for r, v in pr.items()) + (f"  warm-up max groups {Counter(agg['warmup_max_groups'])}"
+                                       if a.workload == "steady" else "") + f"  ({time.perf_counter() - t:.0f} s)",
+              flush=True)
     if "affinity" in res and a.workload != "closed":
         ref = curve(res["affinity"])
         for name, agg in res.items():

@@ -110,6 +110,10 @@ class AppSettings:
     # lets any of its groups go, to the worker that starts the request sooner counting a pull or a
     # prefill (PlacementConfig.balance_ratio, "balance" decisions); 0: off (cluster/README, sessions 12, 18)
     router_balance_ratio: float = 0.0
+    # a new prefix group's options within this x its own prefill of the cheapest count as ties, which
+    # go to the worker holding the fewest prefixes (PlacementConfig.place_tie, default 0.25); 1 spreads
+    # groups evenly where prefills are slow (cluster/README, Placement, session 19)
+    router_place_tie: float | None = None
     # a prefix block reused within this many seconds is evicted after requests' unshared tails
     # (EngineConfig.cache_protect_s, policies/eviction.py); 0: plain LRU
     cache_protect_s: float = 60.0
@@ -169,7 +173,8 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,
                       auto_device=s.device is None, auto_dtype=s.dtype is None, ready_timeout_s=s.ready_timeout_s,
                       app=app, router_learn_decode=s.router_learn_decode, router_idle_spill=s.router_idle_spill,
-                      router_spill_needs_share=s.router_spill_needs_share, router_balance_ratio=s.router_balance_ratio)
+                      router_spill_needs_share=s.router_spill_needs_share, router_balance_ratio=s.router_balance_ratio,
+                      router_place_tie=s.router_place_tie)
 
 
 def build_app(args: dict) -> Application:

@@ -90,6 +90,9 @@ class PoolConfig:
     # PlacementConfig.balance_ratio: a holder whose averaged queue wait exceeds this x the least-waiting
     # worker's + balance_abs_s lets any of its groups go (0: off, the default)
     router_balance_ratio: float = 0.0
+    # PlacementConfig.place_tie: a new prefix's options within this x its own prefill of the cheapest
+    # are ties decided by headroom (prefixes held); None: the policy's default
+    router_place_tie: float | None = None
     probe_interval_s: float = 30.0  # light link probes between workers on different nodes (0: off)
     health_interval_s: float = 2.0  # engine/actor death watch per worker (0: off); its retry delay
     health_timeout_s: float = 10.0  # a slower answer is not a death (unreachable != dead)
@@ -101,6 +104,8 @@ class PoolConfig:
             off["spill_share_margin"] = None
         if self.router_balance_ratio:
             off["balance_ratio"] = self.router_balance_ratio
+        if self.router_place_tie is not None:
+            off["place_tie"] = self.router_place_tie
         return PlacementConfig(**off)
 
 

@@ -92,6 +92,16 @@ def test_the_overloaded_holder_balance_rule_is_an_app_argument_off_by_default():
     assert on.balance_ratio == 2.0 and on.spill_share_margin == 0.0
 
 
+def test_the_new_prefix_tie_is_an_app_argument():
+    from cluster.app import AppSettings, pool_config
+    from policies.placement import PlacementConfig
+    from policies.tenancy import Tenants
+
+    tenants = Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})
+    assert pool_config(AppSettings.from_args({}), tenants).placement().place_tie == PlacementConfig().place_tie
+    assert pool_config(AppSettings.from_args({"router_place_tie": 1}), tenants).placement().place_tie == 1.0
+
+
 @pytest.mark.parametrize("name", ["ray-up-local.yaml", "ray-up-aws-gpu.yaml"])
 def test_ray_up_configs_validate(name):
     from ray.autoscaler._private.util import fillout_defaults, validate_config

@@ -33,6 +33,20 @@ def test_stages_bring_fresh_groups_at_the_offered_rate():
     assert all(0 < it.at_s <= 45.0 for st in run for it in st.items)
 
 
+def test_a_steady_warm_up_lasts_whole_stages_until_every_group_was_sent():
+    """As the cluster bench's warm-up since session 18: one 10-s stage at 0.5 req/s shows few of
+    12 groups; with up to 8 stages it goes on, a whole stage at a time, until all 12 were sent."""
+    short = stages((0.5, 1.0), stage_s=10.0, seed=3, steady=True)
+    assert short[0].warmup and short[0].stage_s == 10.0 and len({it.group for it in short[0].items}) < 12
+    run = stages((0.5, 1.0), stage_s=10.0, seed=3, steady=True, warmup_stages=8)
+    warm = run[0]
+    assert warm.warmup and len({it.group for it in warm.items}) == 12
+    assert warm.stage_s % 10.0 == 0 and 10.0 < warm.stage_s <= 80.0
+    assert all(it.at_s <= warm.stage_s for it in warm.items)
+    assert len({it.group for it in warm.items if it.at_s <= warm.stage_s - 10.0}) < 12  # no stage too many
+    assert [st.stage_s for st in run[1:]] == [10.0, 10.0] and not any(st.warmup for st in run[1:])
+
+
 def test_decode_rows_slow_the_prefill_they_share_steps_with():
     run = _small(rates=(0.9,))
     slow = simulate(run, "round_robin", OpenConfig(row_s=0.3))["stages"][0]
