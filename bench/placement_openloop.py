@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 from bench.cluster_report import Point, equal_p99_ratio  # noqa: E402
 from bench.loadgen import percentile  # noqa: E402
 from bench.placement_sim import _Affinity, baseline_route  # noqa: E402
-from bench.workloads import Oracle, WorkItem, shared_prefix  # noqa: E402
+from bench.workloads import Oracle, Vocab, WorkItem, shared_prefix  # noqa: E402
 from engine.block_pool import BlockPool, extra_key, hash_blocks, prompt_chains  # noqa: E402
 from policies.placement import Placer, PlacementConfig  # noqa: E402
 from policies.routing import CostConfig, CostModel, WorkerLoad  # noqa: E402
@@ -92,13 +92,43 @@ class Stage:
 
 def stages(rates: Sequence[float] = (0.4, 0.7, 1.0, 1.3), stage_s: float = 45.0, groups: int = 12, users: int = 5,
            system_len: int = 512, question_len: int = 40, output_len: int = 16, seed: int = 0,
-           hot: bool = False, steady: bool = False, warmup_stages: int = 1) -> list[Stage]:
+           hot: bool = False, steady: bool = False, warmup_stages: int = 1,
+           order: Sequence[int] | None = None) -> list[Stage]:
     """One stage per rate, fresh groups each (``hot``: one group, users enough that no prompt
     repeats, as the bench's hot-prefix variant); Poisson arrivals over ``stage_s``. ``steady``:
     the bench's ``--sweep steady``: one set of groups walked through a warm-up stage at the first
     rate and then every rate (users enough that no prompt repeats). ``warmup_stages`` > 1: the
     warm-up lasts whole stages until every group has been sent once, at most that many (as
-    ``bench/cluster.py``'s warm-up since session 18)."""
+    ``bench/cluster.py``'s warm-up since session 18). ``order`` (steady): the groups in the order
+    inference-perf sends them (``bench.ipperf.group_order``); as inference-perf does, every stage
+    walks that order from its start (its data generator restarts per stage), so each stage sends the
+    same prompts in the same order, and a group that comes early and often in the order is that
+    much hotter in every stage (the default size's first 35 requests hold group 0 nine times)."""
+    if steady and order is not None:
+        rates = [rates[0], *rates]
+        n = len(order)
+        rng0 = random.Random(seed * 7919 + 3000)
+        vocab = Vocab()
+        systems = [vocab.tokens(rng0, system_len) for _ in range(groups)]
+        seen: Counter[int] = Counter()
+        prompts = []
+        for g in order:  # user u of group g: the u-th time g comes in the order
+            prompts.append(WorkItem(systems[g] + vocab.tokens(rng0, question_len), output_len, group=f"g{g}",
+                                    session=f"g{g}u{seen[g]}"))
+            seen[g] += 1
+        out = []
+        for k, rate in enumerate(rates):
+            rng = random.Random(seed * 7919 + k)
+            t, items, span = 0.0, [], stage_s
+            while True:
+                while (t := t + rng.expovariate(rate)) <= span and len(items) < n:
+                    items.append(replace(prompts[len(items)], at_s=t))
+                t = span
+                if k or len({it.group for it in items}) >= len(set(order)) or span >= warmup_stages * stage_s - 1e-9:
+                    break
+                span += stage_s
+            out.append(Stage(rate, tuple(items), span, warmup=k == 0))
+        return out
     if steady:
         rates = [rates[0], *rates]
         n_users = int((sum(rates) + rates[0] * (warmup_stages - 1)) * stage_s * 1.3 / (1 if hot else groups)) + 4
@@ -449,12 +479,14 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "no idle spill": ({"idle_slack": 0.0}, 0.0, "new"),  # before session 16: a hot group never takes an idle worker
     "any share spills": ({"spill_share_margin": None}, 0.0, "new"),  # before session 17: one of many groups spills too
     "share taken as exact": ({"spill_share_z": 0.0}, 0.0, "new"),  # no lower confidence bound on the share
+    "share margin -0.25": ({"spill_share_margin": -0.25}, 0.0, "new"),
+    "share margin -0.5": ({"spill_share_margin": -0.5}, 0.0, "new"),
 }
 
 
 def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _cache: dict = {},
                 steady: bool = False, rates: Sequence[float] | None = None, stage_s: float = 45.0,
-                warmup_stages: int = 1) -> list[dict]:
+                warmup_stages: int = 1, order: Sequence[int] | None = None) -> list[dict]:
     """``name``: a router, a ``VARIANTS`` key, or either with ``+learn`` (the decode term learned)."""
     base, learn = (name[: -len("+learn")], True) if name.endswith("+learn") else (name, False)
     fields, decode_s, kind = VARIANTS[base] if base in VARIANTS else ({}, 0.0, "new")
@@ -467,7 +499,7 @@ def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _ca
     rows = []
     for seed in seeds:
         run = stages(rates or (0.4, 0.7, 1.0, 1.3), stage_s=stage_s, seed=seed, hot=hot, steady=steady,
-                     warmup_stages=warmup_stages)
+                     warmup_stages=warmup_stages, order=order)
         res = simulate(run, router, replace(cfg, seed=seed), legacy_cfg(**fields),
                        decode_s, placer_cls, learn_decode=learn)
         rows.append({"seed": seed, **res})
@@ -554,6 +586,10 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup-stages", type=int, default=1,
                     help="steady: the warm-up lasts whole stages until every group was sent, at most this many "
                          "(the cluster bench since session 18: 4)")
+    ap.add_argument("--ipperf-order", default=None,
+                    help="steady: a JSON list of the groups in inference-perf's send order (bench.ipperf.group_order; "
+                         "bench/traces/ipperf_order_default.json: the cluster bench's default size); every stage "
+                         "walks it from the start, as inference-perf does")
     ap.add_argument("--token-s", type=float, default=OpenConfig.token_s,
                     help="seconds per prefill token (default ~1/212: one idle host; the cluster bench's hosts "
                          "measured ~1/40 under load in session 18: 0.025)")
@@ -582,7 +618,8 @@ def main(argv=None) -> None:
             continue
         rates = [float(x) for x in a.rates.split(",")] if a.rates else None
         agg = aggregate(run_variant(name, range(a.seeds), a.workload == "hot", cfg, steady=a.workload == "steady",
-                                    rates=rates, stage_s=a.stage_s, warmup_stages=a.warmup_stages))
+                                    rates=rates, stage_s=a.stage_s, warmup_stages=a.warmup_stages,
+                                    order=json.loads(Path(a.ipperf_order).read_text()) if a.ipperf_order else None))
         res[name] = agg
         pr = agg["per_rate"]
         print(f"{a.workload:6s} {name:32s} hit {agg['hit_vs_oracle']:.3f}  " + "  ".join(

@@ -254,6 +254,15 @@ def test_finish_summarises_the_hot_prefix_series_apart_from_the_shared_prefix_on
     assert (tmp_path / "cluster.png").exists()
 
 
+def test_group_traffic_counts_each_stages_requests_per_system_prompt():
+    from bench.cluster import group_traffic
+
+    a, b = "a" * 64, "b" * 64
+    g = group_traffic([a + " q1", b + " q2", a + " q3", a + " q4"])
+    assert g == {"groups": 2, "top_share": 0.75, "counts": [3, 1]}
+    assert group_traffic([]) == {"groups": 0, "top_share": None, "counts": []}
+
+
 def test_worker_cpu_share_is_worker_cores_over_the_hosts_capacity():
     from bench.cluster import worker_cpu_share
 
@@ -422,13 +431,15 @@ def test_steady_sweep_is_one_inference_perf_run_cut_into_stages(tmp_path, monkey
     order = [0, 0, 1, 0, 1, 0, 2, 1, 2]
     monkeypatch.setattr(cb.ipperf, "group_order", lambda exe, path: order)
     args = argparse.Namespace(stage_s=10, groups=3, system_len=512, question_len=40, output_len=16, ttft_slo=2.0,
-                              warmup_max_s=40, seeded_arrivals=True)
+                              warmup_max_s=40, seeded_arrivals=True, data_seed=0)
     stages = cb.shared_prefix_steady(FakeCluster(), "kvmesh", args, "exe", "/m", Tok(), [0.5, 1.5], lambda m: None)
     cfg = configs[0]
     assert [s["rate"] for s in cfg["load"]["stages"]] == [0.5, 0.5, 1.5]  # warm-up + each rate, one run
     assert [s["duration"] for s in cfg["load"]["stages"]] == [14, 10, 10]
     assert cfg["arrival_seed"] == cfg["data"]["shared_prefix"]["seed"]  # same arrivals for every configuration
     assert stages[0]["warmup_cover"] == "7 requests, every group by request 7"
+    assert cfg["data"]["shared_prefix"]["seed"] == 4000  # --data-seed 0: the seed of the runs before it
+    assert [s["groups_sent"] for s in stages][1] == {"groups": 1, "top_share": 1.0, "counts": [2]}
     assert cfg["data"]["shared_prefix"]["num_groups"] == 3
     assert cfg["data"]["shared_prefix"]["num_prompts_per_group"] * 3 >= (0.5 + 0.5 + 1.5) * 10  # no repeats
     assert [s["warmup"] for s in stages] == [True, False, False] and [s["requests"] for s in stages] == [1, 2, 2]

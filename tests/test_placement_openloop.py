@@ -47,6 +47,19 @@ def test_a_steady_warm_up_lasts_whole_stages_until_every_group_was_sent():
     assert [st.stage_s for st in run[1:]] == [10.0, 10.0] and not any(st.warmup for st in run[1:])
 
 
+def test_an_inference_perf_order_is_walked_from_its_start_in_every_stage():
+    """inference-perf restarts its data generator per stage: each stage sends the first prompts of
+    one seeded order, the same prompts again, so a group early and often in it is hot everywhere."""
+    order = [0, 0, 1, 0, 2, 0, 1, 2, 0, 1, 2, 0] * 5
+    run = stages((0.5, 1.0), stage_s=10.0, seed=1, steady=True, warmup_stages=3, order=order, groups=3)
+    for st in run:
+        assert [it.group for it in st.items] == [f"g{g}" for g in order[:len(st.items)]]
+        assert [it.prompt_ids for it in st.items] == [it.prompt_ids for it in run[-1].items[:len(st.items)]]
+    assert len({it.group for it in run[0].items}) == 3
+    first = {it.group: it.prompt_ids[:512] for st in run for it in st.items}
+    assert len(set(first.values())) == 3  # one system prompt per group
+
+
 def test_decode_rows_slow_the_prefill_they_share_steps_with():
     run = _small(rates=(0.9,))
     slow = simulate(run, "round_robin", OpenConfig(row_s=0.3))["stages"][0]
