@@ -104,46 +104,37 @@ def stages(rates: Sequence[float] = (0.4, 0.7, 1.0, 1.3), stage_s: float = 45.0,
     walks that order from its start (its data generator restarts per stage), so each stage sends the
     same prompts in the same order, and a group that comes early and often in the order is that
     much hotter in every stage (the default size's first 35 requests hold group 0 nine times)."""
-    if steady and order is not None:
-        rates = [rates[0], *rates]
-        n = len(order)
-        rng0 = random.Random(seed * 7919 + 3000)
-        vocab = Vocab()
-        systems = [vocab.tokens(rng0, system_len) for _ in range(groups)]
-        seen: Counter[int] = Counter()
-        prompts = []
-        for g in order:  # user u of group g: the u-th time g comes in the order
-            prompts.append(WorkItem(systems[g] + vocab.tokens(rng0, question_len), output_len, group=f"g{g}",
-                                    session=f"g{g}u{seen[g]}"))
-            seen[g] += 1
-        out = []
-        for k, rate in enumerate(rates):
-            rng = random.Random(seed * 7919 + k)
-            t, items, span = 0.0, [], stage_s
-            while True:
-                while (t := t + rng.expovariate(rate)) <= span and len(items) < n:
-                    items.append(replace(prompts[len(items)], at_s=t))
-                t = span
-                if k or len({it.group for it in items}) >= len(set(order)) or span >= warmup_stages * stage_s - 1e-9:
-                    break
-                span += stage_s
-            out.append(Stage(rate, tuple(items), span, warmup=k == 0))
-        return out
     if steady:
         rates = [rates[0], *rates]
-        n_users = int((sum(rates) + rates[0] * (warmup_stages - 1)) * stage_s * 1.3 / (1 if hot else groups)) + 4
-        pool = iter(shared_prefix(1 if hot else groups, n_users, system_len, question_len, output_len,
-                                  seed=seed * 7919 + 3000))
+        if order is not None:
+            rng0, vocab, seen = random.Random(seed * 7919 + 3000), Vocab(), Counter()
+            systems = [vocab.tokens(rng0, system_len) for _ in range(groups)]
+            prompts = []
+            for g in order:  # user u of group g: the u-th time g comes in the order
+                prompts.append(WorkItem(systems[g] + vocab.tokens(rng0, question_len), output_len, group=f"g{g}",
+                                        session=f"g{g}u{seen[g]}"))
+                seen[g] += 1
+            n_groups = len(set(order))
+
+            def walk():  # inference-perf restarts its walk every stage
+                return iter(prompts)
+        else:
+            n_users = int((sum(rates) + rates[0] * (warmup_stages - 1)) * stage_s * 1.3 / (1 if hot else groups)) + 4
+            pool = iter(shared_prefix(1 if hot else groups, n_users, system_len, question_len, output_len,
+                                      seed=seed * 7919 + 3000))
+            n_groups = 1 if hot else groups
+
+            def walk():  # one walk through the users over every stage: no prompt repeats
+                return pool
         out = []
         for k, rate in enumerate(rates):
-            rng = random.Random(seed * 7919 + k)
+            rng, src = random.Random(seed * 7919 + k), walk()
             t, items, span = 0.0, [], stage_s
             while True:
-                while (t := t + rng.expovariate(rate)) <= span:
-                    items.append(replace(next(pool), at_s=t))
+                while (t := t + rng.expovariate(rate)) <= span and (item := next(src, None)) is not None:
+                    items.append(replace(item, at_s=t))
                 t = span  # the next whole stage starts at its own clock; arrivals are memoryless
-                seen = {it.group for it in items}
-                if k or len(seen) >= (1 if hot else groups) or span >= warmup_stages * stage_s - 1e-9:
+                if k or len({it.group for it in items}) >= n_groups or span >= warmup_stages * stage_s - 1e-9:
                     break
                 span += stage_s
             out.append(Stage(rate, tuple(items), span, warmup=k == 0))
@@ -470,8 +461,6 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "place tie 0.25": ({"place_tie": 0.25}, 0.0, "new"),  # the default before session 19
     "place tie 0.5": ({"place_tie": 0.5}, 0.0, "new"),
     "place tie 1": ({"place_tie": 1.0}, 0.0, "new"),  # a new prefix: headroom decides within one prefill
-    "relieve": ({"relieve": True}, 0.0, "new"),
-    "relieve+tie 1": ({"relieve": True, "place_tie": 1.0}, 0.0, "new"),
     "place tie 2": ({"place_tie": 2.0, "place_slack": 2.0}, 0.0, "new"),
     "decode places": ({"place_counts_decode": True}, 0.0, "new"),
     "pull charge 1": ({"spill_pull_charge": 1.0}, 0.0, "new"),
