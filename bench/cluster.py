@@ -299,7 +299,8 @@ def per_request(results: list[Result], items: list[workloads.WorkItem], oracle: 
     response's ``kvmesh`` worker and route; None from the baselines): what a hit gap is read from."""
     return [{"sent_s": round(r.sent_s, 2), "tenant": r.tenant, "group": items[r.index].group,
              "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 3), "cached": r.cached_tokens,
-             "oracle": h, "worker": r.worker, "route": r.route, "status": r.status}
+             "oracle": h, "worker": r.worker, "route": r.route, "status": r.status,
+             **{k: (r.served or {}).get(k) for k in ("placement", "index_holders", "routed_holders") if r.served}}
             for r, h in zip(results, oracle)]
 
 
@@ -320,7 +321,8 @@ def parse_args(argv=None):
                     help="cores each worker host may use (a CFS quota, bench/cpuquota.py), like a machine of its "
                          "own; default 0.8 x this machine's cores / workers; 0: hosts share all cores (before)")
     ap.add_argument("--configs", default=",".join(setup.CONFIGS))
-    ap.add_argument("--rates", default=None, help="offered shared-prefix request rates (req/s), comma separated")
+    ap.add_argument("--rates", default=None,
+                    help="offered shared-prefix request rates (req/s), comma separated ('': skip that workload)")
     ap.add_argument("--stage-s", type=int, default=None, help="seconds per rate")
     ap.add_argument("--groups", type=int, default=None)
     ap.add_argument("--users", type=int, default=None)
@@ -363,11 +365,12 @@ def parse_args(argv=None):
     ap.add_argument("--tag-prefix", default="kvc", help="prefix of the namespaces/links this run creates")
     ap.add_argument("--out", default=str(RESULTS / "cluster.json"))
     a = ap.parse_args(argv)
-    a.rates = [float(x) for x in (a.rates or ("0.5,1.5" if a.quick else "0.5,1.0,2.0")).split(",")]
+    rates = a.rates if a.rates is not None else ("0.5,1.5" if a.quick else "0.5,1.0,2.0")
+    a.rates = [float(x) for x in rates.split(",") if x]  # '': no shared-prefix sweep (the other workloads only)
     a.stage_s = a.stage_s or (20 if a.quick else 30)
     a.warmup_max_s = 4 * a.stage_s if a.warmup_max_s is None else a.warmup_max_s
     a.groups = a.groups or (8 if a.quick else 12)
-    a.users = a.users or max(4, int(max(a.rates) * a.stage_s / a.groups) + 1)
+    a.users = a.users or max(4, int(max(a.rates, default=0) * a.stage_s / a.groups) + 1)
     hot = ("" if a.quick else "0.7,1.3") if a.hot_rates is None else a.hot_rates
     a.hot_rates = [float(x) for x in hot.split(",") if x]
     a.configs = [c for c in a.configs.split(",") if c]

@@ -137,11 +137,16 @@ def plot(curves: dict[str, list[Point]], hit_ratios: dict[str, dict[str, float |
     import matplotlib.pyplot as plt
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.8))
+    configs = sorted({c for w in hit_ratios.values() for c in w} | {n.split(" (")[0] for n in curves})
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    color = {c: palette[i % len(palette)] for i, c in enumerate(configs)}  # one colour per configuration, both panels
     for name, c in curves.items():
         if not c:
             continue
-        line, = ax.plot([p.throughput for p in c], [p.ttft_p99 for p in c], "o-", label=f"{name} p99")
-        ax.plot([p.throughput for p in c], [p.ttft_p90 for p in c], "s--", color=line.get_color(), alpha=0.6,
+        col = color[name.split(" (")[0]]
+        style = ":" if name.endswith("(hot)") else "-"
+        ax.plot([p.throughput for p in c], [p.ttft_p99 for p in c], "o" + style, color=col, label=f"{name} p99")
+        ax.plot([p.throughput for p in c], [p.ttft_p90 for p in c], "s--", color=col, alpha=0.6,
                 label=f"{name} p90")
     ax.set_xlabel("completed requests/s")
     ax.set_ylabel("TTFT (s)")
@@ -149,11 +154,11 @@ def plot(curves: dict[str, list[Point]], hit_ratios: dict[str, dict[str, float |
     ax.set_title("shared prefix (inference-perf): TTFT vs throughput")
     ax.legend(fontsize=7)
     workloads = list(hit_ratios)
-    configs = sorted({c for w in hit_ratios.values() for c in w})
+    configs = [c for c in configs if any(c in w for w in hit_ratios.values())]
     width = 0.8 / max(1, len(configs))
     for i, c in enumerate(configs):
         xs = [j + i * width for j in range(len(workloads))]
-        bx.bar(xs, [hit_ratios[w].get(c) or 0.0 for w in workloads], width, label=c)
+        bx.bar(xs, [hit_ratios[w].get(c) or 0.0 for w in workloads], width, label=c, color=color[c])
     bx.axhline(0.95, color="k", lw=0.8, ls=":")
     bx.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))], workloads, fontsize=8)
     bx.set_ylabel("cluster hit tokens / oracle")

@@ -48,6 +48,7 @@ class Result:
     status: int
     error: str | None = None
     late_s: float = 0.0  # open loop: how long after its arrival the request could be sent
+    served: dict | None = None  # the response's ``kvmesh`` object (kvmesh only): where and why it ran
 
     @property
     def ok(self) -> bool:
@@ -101,7 +102,7 @@ async def send_one(client: httpx.AsyncClient, index: int, item: WorkItem, key: s
     return Result(index, item.tenant, sent - t0, None if first is None else first - sent,
                   end - sent if err is None else None, tpot, int(usage.get("prompt_tokens", len(item.prompt_ids))),
                   n_out, int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
-                  served.get("worker"), served.get("route"), status, err, late_s)
+                  served.get("worker"), served.get("route"), status, err, late_s, served or None)
 
 
 async def run(base_url: str, items: Sequence[WorkItem], keys: dict[str, str] | Callable[[str], str], model: str,

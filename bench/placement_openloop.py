@@ -23,6 +23,11 @@ per worker ``WorkerLoad(waiting_tokens=prompt - the choice's cached tokens of ea
 without a first token, running=requests past it)``, one prefill sample per request at its first
 token, one transfer sample per pull, and the index = what the pools hold.
 
+Routers: kvmesh (``Placer`` over ``CostModel``), the baselines (affinity imitation, pow2, round
+robin) and ``packed``, an oracle that knows each group's requests in the scored stages in advance
+and gives each group one worker, packed evenly (``pack_groups``): the upper bound of placement on a
+workload whose groups stay where they are put.
+
 Scores per stage: TTFT p50/p90/p99, completed requests/s (``n / max(drain, stage_s)``, as the
 bench), hit tokens against one infinite cache (``bench.workloads.oracle_hits``), and per router the
 throughput at equal p99 TTFT against the affinity imitation (``bench.cluster_report``).
@@ -60,7 +65,7 @@ from policies.placement import Placer, PlacementConfig  # noqa: E402
 from policies.routing import CostConfig, CostModel, WorkerLoad  # noqa: E402
 
 MODEL = "sim"
-ROUTERS = ("kvmesh", "affinity", "pow2", "round_robin")
+ROUTERS = ("kvmesh", "affinity", "pow2", "round_robin", "packed")
 
 
 @dataclass(frozen=True)
@@ -209,6 +214,23 @@ def legacy_placer(rev: str) -> type:
     return mod.Placer
 
 
+def pack_groups(run: Sequence[Stage], wids: Sequence[str]) -> dict[str, str]:
+    """An oracle's split of the groups over the workers (the ``packed`` router, an upper bound on
+    what placement alone can do): each group's requests in the scored stages are known in advance,
+    and the groups are packed largest first onto the worker with the fewest requests so far, at most
+    ceil(groups / workers) groups per worker (more than that do not fit the pools together)."""
+    traffic = Counter(it.group for st in run if not st.warmup for it in st.items)
+    for st in run:
+        for it in st.items:
+            traffic.setdefault(it.group, 0)
+    cap = -(-len(traffic) // len(wids))
+    load, n, out = {w: 0 for w in wids}, {w: 0 for w in wids}, {}
+    for g, c in sorted(traffic.items(), key=lambda kv: (-kv[1], kv[0])):
+        w = min((w for w in wids if n[w] < cap), key=lambda w: (load[w], w))
+        out[g], load[w], n[w] = w, load[w] + c, n[w] + 1
+    return out
+
+
 def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
              placement: PlacementConfig | None = None, decode_step_s: float = 0.0,
              placer_cls: type = Placer, learn_decode: bool = False) -> dict:
@@ -242,8 +264,12 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
     def push(t: float, kind: str, payload) -> None:
         heapq.heappush(events, (t, next(seq), kind, payload))
 
+    packed = pack_groups(run, wids) if router == "packed" else {}
+
     def route(r: _Req) -> str:
         it = r.item
+        if router == "packed":
+            return packed[it.group]
         chains = prompt_chains(it.prompt_ids, bs, MODEL, (it.domain, *it.read_domains))
         picked = baseline_route(router, chains[it.domain], len(it.prompt_ids), bs,
                                 {w: workers[w].inflight for w in wids}, rr, rng, affinity)

@@ -232,11 +232,12 @@ class _Ctx:
         self.lasts: list = [None] * len(requests)
 
     def _served(self, p: int, out) -> Served:
-        worker, route = self.leases[p]
+        worker, choice = self.leases[p]
         approx = getattr(out, "num_approx_tokens", 0)
-        return Served(worker=worker, route=out.route or route,
+        return Served(worker=worker, route=out.route or choice.route,
                       exact_cached_tokens=out.num_cached_tokens - approx, approx_cached_tokens=approx,
-                      pulled_tokens=out.pulled_tokens, reuse=self.requests[p].reuse)
+                      pulled_tokens=out.pulled_tokens, reuse=self.requests[p].reuse, placement=choice.placement,
+                      index_holders=choice.index_holders, routed_holders=choice.routed_holders)
 
     def _kvmesh(self) -> dict:
         """The response's ``kvmesh`` object: the serving of its one prompt, or ``{"prompts": [...]}``."""
@@ -865,7 +866,7 @@ class KvmeshIngress:
             await self._hold_refusal(tenant.name, err)
             raise err from None
         self.metrics.ttft.labels(tenant=tenant.name).observe(time.perf_counter() - t0)
-        leases = [(ws.worker_id, choice.route) for ws, choice, _ in firsts]
+        leases = [(ws.worker_id, choice) for ws, choice, _ in firsts]
         ctx = _Ctx(self, tenant.name, endpoint, rid, requests, chat, leases, streams, [first for _, _, first in firsts],
                    asm, body.include_usage, body.continuous_usage)
         if body.is_stream:

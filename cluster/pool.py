@@ -16,10 +16,10 @@ index lookup, network-aware cost model) plug in here and may name a pull source.
 Tenant autoscaling: every ``interval_s`` the pool hands per-tenant demand (tokens of queued and
 running requests) to ``policies.autoscale.TenantAutoscaler``, creates or drains workers to meet
 the target and assigns workers to tenants by the allocation. A tenant's requests go to the
-workers assigned to it and to the unassigned (shared) ones, never to another tenant's; when
-there are neither, to any worker. (Own workers only would leave shared workers idle: with one
-tenant whose demand asks for one worker, every request went to that worker while the other
-idled: 23 of 24 in issue 11's run.)
+workers assigned to it, to the unassigned (shared) ones and to other tenants' idle workers
+(nothing in flight there: ``candidates``); when there are none of these, to any worker. (Own workers only would leave shared workers idle:
+with one tenant whose demand asks for one worker, every request went to that worker while the
+other idled: 23 of 24 in issue 11's run.)
 Draining workers finish their requests and are then killed.
 
 Worker ids are ``<app>-w<n>`` (``w<n>`` when ``PoolConfig.app`` is empty), unique across the apps
@@ -499,15 +499,21 @@ class WorkerPool:
 
     # -- requests ----------------------------------------------------------------------------
     def candidates(self, tenant: str) -> list[WorkerState]:
-        """A tenant's own workers plus the unassigned (shared) ones; without own workers the
-        shared ones, else any. Workers assigned to another tenant are never offered while a
-        shared or own worker is ready. (Own workers alone left shared workers idle while the
-        tenant queued on its one assigned worker: the autoscaler allots a tenant one worker per
-        ``target_tokens_per_worker`` of demand, and the assignment is sticky.)"""
+        """A tenant's own workers, the unassigned (shared) ones and the **idle** workers of other
+        tenants (nothing in flight there); without any of these: any. (Own workers alone left
+        shared workers idle while the tenant queued on its one assigned worker; and once every
+        worker was assigned (4 tenants with demand on 4 workers: one each) each tenant was confined
+        to its one worker, its KV computed elsewhere before the assignment reachable only by a pull,
+        while a tenant with no worker of its own could use all four: the cluster bench's
+        multi-tenant workload, session 20.) An assignment guarantees a tenant its workers; it does
+        not fence the others out of them while they idle. A guest is let in only on an idle worker,
+        so at most one guest request is there when its owner comes back (the owner's prefill
+        shares steps with it; a request of its own would as much)."""
         ready = [w for w in self.workers.values() if w.routable]
         own = [w for w in ready if w.tenant == tenant]
         shared = [w for w in ready if w.tenant is None]
-        return own + shared if own else shared or ready
+        lent = [w for w in ready if w.tenant not in (None, tenant) and w.inflight == 0]
+        return own + shared + lent or ready
 
     async def acquire(self, request: Request, ready_timeout_s: float = 60.0) -> tuple[WorkerState, RouteChoice]:
         """Route a request and count it on the chosen worker: it stays in flight (demand, the
@@ -525,6 +531,13 @@ class WorkerPool:
                 raise WorkerUnavailable(self.error or "no worker is ready")
             choice = await self.router.choose(request, cands)
             ws = self.workers.get(choice.worker_id)
+            if ws is not None and ws.tenant not in (None, request.tenant) and ws.inflight:
+                # lent because it was idle, taken by another request while the router chose: the
+                # choice again among the tenant's own and shared workers (if any; else it stays)
+                rest = [w for w in cands if w.tenant in (None, request.tenant)]
+                if rest:
+                    choice = await self.router.choose(request, rest)
+                    ws = self.workers.get(choice.worker_id)
             if ws is None or not ws.routable:
                 raise WorkerUnavailable(f"router chose unavailable worker {choice.worker_id!r}")
         except BaseException:

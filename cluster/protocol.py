@@ -508,11 +508,18 @@ class Served:
     approx_cached_tokens: int = 0
     pulled_tokens: int = 0
     reuse: str = "exact"
+    # why the router chose ``worker``: the placement rule (policies.placement: match, spill,
+    # balance, idle, place; None: no placement) and, per worker, the prompt tokens the global index
+    # showed held (None: it did not answer in time or was not asked) and the router's own record
+    placement: str | None = None
+    index_holders: dict | None = None
+    routed_holders: dict | None = None
 
     def as_dict(self) -> dict:
         return {"worker": self.worker, "route": self.route, "exact_cached_tokens": self.exact_cached_tokens,
                 "approx_cached_tokens": self.approx_cached_tokens, "pulled_tokens": self.pulled_tokens,
-                "reuse": self.reuse}
+                "reuse": self.reuse, "placement": self.placement, "index_holders": self.index_holders,
+                "routed_holders": self.routed_holders}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

@@ -54,6 +54,11 @@ class RouteChoice:
     cached_tokens: int = 0  # prompt tokens the router expects to be reused (local + pulled)
     placement: str | None = None  # the placement rule that chose the worker (policies.placement), if any
     decode_wait_s: float = 0.0  # the part of expected_ttft_s charged for sequences decoding there
+    # what the choice saw of the prompt's prefix: per worker, prompt tokens held by the global
+    # index's answer (None: the index did not answer in time, or was not asked) and by the
+    # router's own record of what it routed (``Placer.pending``, not yet indexed included)
+    index_holders: dict | None = None
+    routed_holders: dict | None = None
 
 
 class Router(Protocol):

@@ -121,7 +121,7 @@ async def test_burst_scales_up_within_bounds_keeps_guarantee_and_scales_back(ray
         assert assignment["steady"] == ["w0"] and sorted(assignment["burst"]) == ["w1", "w2"]
         while sum(w.info is not None for w in pool.active()) < 3:
             await asyncio.sleep(0.05)
-        # wave 2 of the burst lands on the burst tenant's workers only; steady keeps its worker
+        # wave 2 of the burst lands on the burst tenant's workers (steady's only while idle); steady keeps its worker
         wave2 = [asyncio.create_task(_drain(pool, _req(f"b2-{i}", "burst"), seen)) for i in range(4)]
         steady = asyncio.create_task(_drain(pool, _req("s-0", "steady", max_tokens=20), seen))
         dec = await pool.autoscale_once(now=101.0)
@@ -129,7 +129,8 @@ async def test_burst_scales_up_within_bounds_keeps_guarantee_and_scales_back(ray
         burst_owned = set(pool.assignment().get("burst", []))
         outs = await asyncio.gather(*wave1, *wave2, steady)
         assert all(o.finished and o.finish_reason == "length" for o in outs)
-        assert {seen[f"b2-{i}"] for i in range(4)} <= {"w1", "w2"}  # never steady's worker
+        # the burst's own workers, and steady's only while it was idle: one request at most
+        assert sum(seen[f"b2-{i}"] not in ("w1", "w2") for i in range(4)) <= 1
         # steady runs on its own worker or a shared one (spare capacity), never on burst's
         assert seen["s-0"] not in burst_owned and pool.assignment()["steady"] == ["w0"]
         # after the burst: no scale-down before the delay, then back to the steady guarantee

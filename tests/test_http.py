@@ -63,6 +63,12 @@ def test_completion_reports_cached_tokens_on_repeat_and_kvmesh_object(server):
     kv = r2.model_extra["kvmesh"]
     assert kv["route"] == "local" and kv["exact_cached_tokens"] == _cached(r2)
     assert kv["approx_cached_tokens"] == 0 and kv["pulled_tokens"] == 0 and kv["worker"]
+    # why: the first went where a new prefix is placed; the repeat to the worker that holds it,
+    # by the router's record of where it sent the first (the index shows it too once published)
+    first = r1.model_extra["kvmesh"]
+    assert first["placement"] == "place" and not first["routed_holders"]
+    assert kv["placement"] == "match" and kv["routed_holders"][kv["worker"]] >= _cached(r2)
+    assert kv["index_holders"] is None or set(kv["index_holders"]) <= {kv["worker"]}
 
 
 def test_grants_and_isolation(server):
@@ -73,6 +79,8 @@ def test_grants_and_isolation(server):
     assert _cached(g) > 0  # acme.share_with: [globex]
     s = client(server, "sk-solo").completions.create(model=TINY, prompt=prompt, max_tokens=2, temperature=0)
     assert _cached(s) == 0  # no grant: isolated
+    why = s.model_extra["kvmesh"]  # nor does the routing explanation show acme's copy
+    assert not why["index_holders"] and not why["routed_holders"] and why["placement"] == "place"
     other = "globex's own system prompt, never granted to anyone at all. " * 2
     client(server, "sk-globex").completions.create(model=TINY, prompt=other, max_tokens=2, temperature=0)
     back = client(server, "sk-acme").completions.create(model=TINY, prompt=other, max_tokens=2, temperature=0)

@@ -632,20 +632,32 @@ def test_simulation_refuses_a_pool_smaller_than_one_request():
         simulate(items, "kvmesh", SimConfig(**{**cfg.__dict__}))
 
 
-def test_a_tenant_uses_its_own_and_the_shared_workers_never_another_tenants():
+def test_a_tenant_uses_its_own_and_the_shared_workers_and_idle_ones_of_other_tenants():
     """Issue 11's run: with one tenant whose demand asked for one worker, the pool sent every
-    request to that worker and left the other idle. Own + shared workers are candidates."""
+    request to that worker and left the other idle. Own + shared workers are candidates; another
+    tenant's worker is lent only while it is idle (session 20: 4 tenants on 4 workers were each
+    confined to one, their KV elsewhere, while a tenant without a worker could use all four)."""
     from cluster.pool import PoolConfig, WorkerPool
     from cluster.types import WorkerState
 
     pool = WorkerPool(PoolConfig())
     for wid, tenant in (("w0", "acme"), ("w1", None), ("w2", "globex"), ("w3", None)):
         pool.workers[wid] = WorkerState(wid, None, info={}, tenant=tenant)
-    assert [w.worker_id for w in pool.candidates("acme")] == ["w0", "w1", "w3"]
-    assert [w.worker_id for w in pool.candidates("other")] == ["w1", "w3"]
+
+    def ids(tenant):
+        return [w.worker_id for w in pool.candidates(tenant)]
+
+    assert ids("acme") == ["w0", "w1", "w3", "w2"]  # globex's w2 idles: lent, after its own and the shared
+    pool.workers["w2"].inflight = 1  # anyone's request there (its owner's, or a guest's): not lent
+    assert ids("acme") == ["w0", "w1", "w3"] and ids("other") == ["w1", "w3", "w0"]
     pool.workers["w1"].tenant = pool.workers["w3"].tenant = "globex"
-    assert [w.worker_id for w in pool.candidates("acme")] == ["w0"]
-    assert [w.worker_id for w in pool.candidates("other")] == ["w0", "w1", "w2", "w3"]  # none of its own: any
+    pool.workers["w1"].inflight = pool.workers["w3"].inflight = 2
+    assert ids("acme") == ["w0"]
+    pool.workers["w2"].inflight = 0
+    assert ids("acme") == ["w0", "w2"]  # globex's idle w2 is lent, its busy w1 and w3 are not
+    pool.workers["w0"].inflight = pool.workers["w2"].inflight = 1
+    assert ids("globex") == ["w1", "w2", "w3"]
+    assert ids("other") == ["w0", "w1", "w2", "w3"]  # none of its own, shared or idle: any
 
 
 # -- p(reuse): warm evictions charged at how often they are needed again ----------------------

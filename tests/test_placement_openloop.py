@@ -1,12 +1,13 @@
 """The open-loop, step-level replay of the cluster bench's shared-prefix stages
 (bench/placement_openloop.py). Pure: no Ray, no model; small stages so each run takes a second."""
 
+from collections import Counter
 from dataclasses import replace
 
 import pytest
 
-from bench.placement_openloop import OpenConfig, simulate, stages
-from bench.workloads import oracle_hits
+from bench.placement_openloop import OpenConfig, Stage, pack_groups, simulate, stages
+from bench.workloads import WorkItem, oracle_hits
 
 
 def _small(seed=0, rates=(0.5, 0.9), hot=False):
@@ -58,6 +59,27 @@ def test_an_inference_perf_order_is_walked_from_its_start_in_every_stage():
     assert len({it.group for it in run[0].items}) == 3
     first = {it.group: it.prompt_ids[:512] for st in run for it in st.items}
     assert len(set(first.values())) == 3  # one system prompt per group
+
+
+def test_the_packed_oracle_splits_known_traffic_evenly_and_routes_each_group_to_one_worker():
+    """The ``packed`` router (the upper bound of placement: each group's traffic known in advance)
+    packs the heaviest groups first onto the least-loaded worker, at most ceil(groups/workers) each;
+    warm-up traffic does not count, and a group seen only there still gets a worker."""
+    def items(*groups):
+        return tuple(WorkItem((1, 2, 3), 1, group=g) for g in groups)
+    warm = Stage(0.5, items("z", "a"), warmup=True)
+    scored = Stage(1.0, items(*["a"] * 5 + ["b"] * 3 + ["c"] * 2 + ["d"] * 3 + ["e"] * 2))
+    split = pack_groups([warm, scored], ["w0", "w1", "w2"])
+    assert set(split) == {"a", "b", "c", "d", "e", "z"} and set(split.values()) <= {"w0", "w1", "w2"}
+    load = {w: sum(n for g, n in {"a": 5, "b": 3, "c": 2, "d": 3, "e": 2}.items() if split[g] == w)
+            for w in ("w0", "w1", "w2")}
+    assert sorted(load.values()) == [5, 5, 5]
+    assert max(list(split.values()).count(w) for w in ("w0", "w1", "w2")) == 2
+    run = _small(seed=2)
+    res = simulate(run, "packed", OpenConfig())
+    split = pack_groups(run, [f"w{i}" for i in range(OpenConfig().workers)])
+    for fig, st in zip(res["stages"], run):
+        assert fig["groups_per_worker"] == dict(sorted(Counter(split[g] for g in {it.group for it in st.items}).items()))
 
 
 def test_decode_rows_slow_the_prefill_they_share_steps_with():
