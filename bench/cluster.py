@@ -293,15 +293,30 @@ def other_workloads(args, tok) -> dict[str, tuple[list[workloads.WorkItem], list
     return {k: v for k, v in all_.items() if k in args.workloads}
 
 
+WHY = ("placement", "index_holders", "routed_holders", "planned_route", "expected_ttft_s")  # kvmesh's explanation
+
+
 def per_request(results: list[Result], items: list[workloads.WorkItem], oracle: list[int]) -> list[dict]:
     """One row per request of a kvmesh-loadgen workload (in workload order): when it was sent,
     its tenant and prefix group, TTFT, cached tokens against the oracle's, and where it ran (the
-    response's ``kvmesh`` worker and route; None from the baselines): what a hit gap is read from."""
+    response's ``kvmesh`` worker and route; None from the baselines) and, from kvmesh, why (its
+    placement rule, the holders the index and the router's record showed, the planned route and its
+    expected TTFT): what a hit gap is read from."""
     return [{"sent_s": round(r.sent_s, 2), "tenant": r.tenant, "group": items[r.index].group,
              "ttft_s": None if r.ttft_s is None else round(r.ttft_s, 3), "cached": r.cached_tokens,
              "oracle": h, "worker": r.worker, "route": r.route, "status": r.status,
-             **{k: (r.served or {}).get(k) for k in ("placement", "index_holders", "routed_holders") if r.served}}
+             **{k: r.served.get(k) for k in WHY if r.served}}
             for r, h in zip(results, oracle)]
+
+
+def router_estimates(cl: "Cluster") -> dict | None:
+    """The kvmesh router's estimates at this moment (links, prefill fits, waits; the admin view of
+    ``/kvmesh/workers``): what its pull-or-recompute choices were priced with."""
+    code, text = cl.get("/kvmesh/workers", setup.BENCH_ADMIN_KEY)
+    try:
+        return json.loads(text).get("router") if code == 200 else None
+    except ValueError:
+        return None
 
 
 def hit_ratio(results: list[Result], oracle: list[int]) -> dict:
@@ -518,6 +533,7 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
             m1 = parse_prometheus(cl.get("/metrics")[1])
             s = summarize(results, args.ttft_slo, wall_s=wall)
             s.update(hit=hit_ratio(results, oracle), kvmesh_metrics=decisions(metrics_delta(m0, m1), m1),
+                     router_estimates=router_estimates(cl) if name.startswith("kvmesh") else None,
                      per_tenant={t: hit_ratio([r for r in results if r.tenant == t],
                                               [h for r, h in zip(results, oracle) if r.tenant == t])
                                  for t in sorted({r.tenant for r in results})},

@@ -27,6 +27,7 @@ CONFIGS = ("pow2", "affinity", "kvmesh", "kvmesh+approx")  # measured; "oracle" 
 TEMPLATE_TENANT = "tmpl"
 TEMPLATE_ID = "fr"
 BENCH_TENANT = "bench"
+BENCH_ADMIN_KEY = "sk-bench-admin"  # reads the admin view of /kvmesh/workers (the router's estimates)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def tenants_file(config: str, grants: dict | None = None, template: str | None =
     names = [t["name"] for t in tenants]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate tenant names {names}")
-    return {"tenants": tenants}
+    return {"admin_keys": [BENCH_ADMIN_KEY], "tenants": tenants}
 
 
 def serve_config(config: str, *, host: str, port: int, workers: int, kv_bytes: int, tenants_path: str,

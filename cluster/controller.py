@@ -387,6 +387,8 @@ class Controller:
         d = self.pool.last_decision
         view = {"workers": await self.pool.stats(), "target": d.target if d else None,
                 "allocation": dict(d.allocation) if d else {}}
+        if tenant is None:  # the router's estimates: links, prefill fits, waits (admins only: load-derived)
+            view["router"] = await self.pool.router_estimates()
         return admin_view(view) if tenant is None else tenant_view(view, tenant)
 
     def snapshot(self) -> dict:

@@ -397,6 +397,23 @@ class WorkerPool:
                 log.exception("autoscale tick failed")
             self.sync_router()
 
+    async def router_estimates(self, timeout_s: float = 5.0) -> dict | None:
+        """The router actor's estimates (``Router.estimates``: per link bandwidth and RTT, per worker
+        the prefill fit (seconds: fixed, per 1024 new tokens, per 1024**2 attention units), expected
+        wait and decode step); None without a router or when it does not answer within ``timeout_s``."""
+        if self._router_client is None:
+            return None
+        try:
+            ref = self._router_client.handle.estimates.remote()
+            est = await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
+        except Exception as e:  # noqa: BLE001 - an introspection call: report the router as unknown
+            log.debug("router estimates failed: %r", e)
+            return None
+        if est is not None:
+            est["prefill"] = {w: {"fixed_s": a, "per_1k_tokens_s": b, "per_1k2_attention_s": c}
+                              for w, (a, b, c) in est.get("prefill", {}).items()}
+        return est
+
     def sync_router(self, force: bool = False) -> None:
         """Tell the router actor every routable worker's node when that set changed since the
         last sync, or ``force`` (fire and forget): a router that was restarted after its process

@@ -68,6 +68,7 @@ def test_completion_reports_cached_tokens_on_repeat_and_kvmesh_object(server):
     first = r1.model_extra["kvmesh"]
     assert first["placement"] == "place" and not first["routed_holders"]
     assert kv["placement"] == "match" and kv["routed_holders"][kv["worker"]] >= _cached(r2)
+    assert first["planned_route"] == "recomputed" and kv["planned_route"] == "local"
     assert kv["index_holders"] is None or set(kv["index_holders"]) <= {kv["worker"]}
 
 

@@ -143,8 +143,14 @@ def test_workers_view_shows_a_tenant_only_its_own_state(server):
     assert set(acme["workers"][0]["engine"]["tenants"]) == {"acme"}
     gates = acme["workers"][0]["engine"].get("approx", {}).get("gate", {})
     assert all(k.startswith("acme/") for k in gates)
+    assert "router" not in acme and "router" not in solo  # the router's estimates move with everyone's load
     admin = workers(server, "sk-admin")
     assert admin["scope"] == "admin"
+    router = admin["router"]  # its estimates: what its pull-or-recompute choices are priced with
+    ids = {w["worker_id"] for w in admin["workers"]}
+    assert router["prefill"] and set(router["prefill"]) <= ids and set(router["wait_s"]) <= ids
+    assert all(set(f) == {"fixed_s", "per_1k_tokens_s", "per_1k2_attention_s"} for f in router["prefill"].values())
+    assert all(f["per_1k_tokens_s"] > 0 for f in router["prefill"].values())
     assert {"acme", "globex", "solo"} <= set(admin["workers"][0]["engine"]["tenants"])
     assert "free_blocks" in admin["workers"][0]["engine"]
     r = complete(server, "sk-admin")
