@@ -206,6 +206,21 @@ class Worker:
             return (chains, e.held_prefix_tokens(chains),
                     tuple(e.can_import(chains, p.start_block, p.end_block, request.tenant) for p in pulls))
 
+        # registered before the plan: on a busy worker the plan's engine call waits for the step in
+        # progress (seconds on a slow host), and a request of the same prefix routed here meanwhile
+        # must find this pull and wait for it (the cluster bench, session 20: one 0.35 s behind ran
+        # with nothing cached while the first, planned to pull the prefix here, ran with all of it)
+        span = max(p.end_block for p in pulls) * self.config.block_size
+        entry = (request.domain, tuple(request.prompt_ids[:span]), asyncio.Event())
+        self._pulling.append(entry)
+        try:
+            return await self._pull_planned(request, pulls, plan)
+        finally:
+            self._pulling.remove(entry)
+            entry[2].set()
+
+    async def _pull_planned(self, request: Request, pulls: tuple[Pull, ...], plan) -> tuple[int, int]:
+        """``_pull`` once registered: the plan on the engine thread, then the pulls that fit."""
         chains, local, room = await self.engine.call(plan)
         if not chains:
             return 0, 0
@@ -287,16 +302,7 @@ class Worker:
                                    got["seconds"] if ok else time.perf_counter() - t0, ok)
             return imported
 
-        span = max((p.end_block for p, fits in zip(pulls, room) if fits), default=0) * self.config.block_size
-        entry = (request.domain, tuple(request.prompt_ids[:span]), asyncio.Event()) if span else None
-        if entry is not None:
-            self._pulling.append(entry)
-        try:
-            imported = await asyncio.gather(*(one(p, fits) for p, fits in zip(pulls, room)))
-        finally:
-            if entry is not None:
-                self._pulling.remove(entry)
-                entry[2].set()
+        imported = await asyncio.gather(*(one(p, fits) for p, fits in zip(pulls, room)))
         return local, sum(imported)
 
     async def _join_pull(self, request: Request) -> None:

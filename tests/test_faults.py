@@ -141,6 +141,40 @@ def test_pulls_from_a_corrupt_or_slow_holder_stay_exact(tiny_model):
             ray.shutdown()
 
 
+async def test_a_pull_is_joinable_while_its_plan_waits_for_a_busy_engine():
+    """Session 20 (cluster bench, multi-tenant): a request of a prefix routed, 0.35 s after another
+    planned to pull that prefix to the same worker, ran with nothing cached: the pull became
+    visible to joiners only after its plan's engine call, which waits for the step in progress
+    (seconds on a slow host). Now it is registered first: the second request waits for the pull,
+    until the pull ends (here: planned, found no room, ended)."""
+    from actors.worker import Pull, Worker
+
+    w = Worker.__new__(Worker)  # the pull bookkeeping only: no engine, no Ray
+    w.config = CFG
+    w._pulling, w.pull_stats, w.router = [], {"joined": 0}, None
+    w.pull_timeout_s = 30.0
+    engine_busy = asyncio.Event()
+
+    class _Engine:  # the plan's call waits for the "step in progress"
+        async def call(self, fn):
+            await engine_busy.wait()
+            return {"t1": [b"h"] * 4}, 0, (False,)  # the prompt's chains, nothing held, no room
+
+    w.engine = _Engine()
+    first = Request("a", PREFIX + (5,), GREEDY, tenant="t1")
+    pulling = asyncio.create_task(w._pull(first, (Pull(None, "n", 0, 4),)))
+    await asyncio.sleep(0.05)
+    joiner = asyncio.create_task(w._join_pull(Request("b", PREFIX + (6,), GREEDY, tenant="t1")))
+    stranger = asyncio.create_task(w._join_pull(Request("c", PREFIX + (6,), GREEDY, tenant="t2")))
+    await asyncio.sleep(0.05)
+    assert stranger.done() and not joiner.done()  # another tenant's request does not wait
+    assert w.pull_stats["joined"] == 1
+    engine_busy.set()
+    assert await pulling == (0, 0)  # no room: skipped, nothing imported
+    await asyncio.wait_for(joiner, 5)  # ... and the joiner goes ahead once the pull has ended
+    assert w._pulling == []
+
+
 @pytest.mark.ray
 def test_router_actor_restarts_and_the_pool_re_registers_its_workers():
     import ray
