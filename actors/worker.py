@@ -198,14 +198,6 @@ class Worker:
         progress, so these waits, not the link, used to set a pull's time."""
         if not pulls:
             return 0, 0
-
-        def plan(e):
-            chains = e.prompt_chains(request)
-            if not chains:
-                return chains, 0, ()
-            return (chains, e.held_prefix_tokens(chains),
-                    tuple(e.can_import(chains, p.start_block, p.end_block, request.tenant) for p in pulls))
-
         # registered before the plan: on a busy worker the plan's engine call waits for the step in
         # progress (seconds on a slow host), and a request of the same prefix routed here meanwhile
         # must find this pull and wait for it (the cluster bench, session 20: one 0.35 s behind ran
@@ -214,13 +206,21 @@ class Worker:
         entry = (request.domain, tuple(request.prompt_ids[:span]), asyncio.Event())
         self._pulling.append(entry)
         try:
-            return await self._pull_planned(request, pulls, plan)
+            return await self._pull_planned(request, pulls)
         finally:
             self._pulling.remove(entry)
             entry[2].set()
 
-    async def _pull_planned(self, request: Request, pulls: tuple[Pull, ...], plan) -> tuple[int, int]:
+    async def _pull_planned(self, request: Request, pulls: tuple[Pull, ...]) -> tuple[int, int]:
         """``_pull`` once registered: the plan on the engine thread, then the pulls that fit."""
+
+        def plan(e):
+            chains = e.prompt_chains(request)
+            if not chains:
+                return chains, 0, ()
+            return (chains, e.held_prefix_tokens(chains),
+                    tuple(e.can_import(chains, p.start_block, p.end_block, request.tenant) for p in pulls))
+
         chains, local, room = await self.engine.call(plan)
         if not chains:
             return 0, 0

@@ -17,9 +17,9 @@ Tenant autoscaling: every ``interval_s`` the pool hands per-tenant demand (token
 running requests) to ``policies.autoscale.TenantAutoscaler``, creates or drains workers to meet
 the target and assigns workers to tenants by the allocation. A tenant's requests go to the
 workers assigned to it, to the unassigned (shared) ones and to other tenants' idle workers
-(nothing in flight there: ``candidates``); when there are none of these, to any worker. (Own workers only would leave shared workers idle:
-with one tenant whose demand asks for one worker, every request went to that worker while the
-other idled: 23 of 24 in issue 11's run.)
+(nothing in flight there: ``candidates``); when there are none of these, to any worker. (Own
+workers only would leave shared workers idle: with one tenant whose demand asks for one worker,
+every request went to that worker while the other idled: 23 of 24 in issue 11's run.)
 Draining workers finish their requests and are then killed.
 
 Worker ids are ``<app>-w<n>`` (``w<n>`` when ``PoolConfig.app`` is empty), unique across the apps

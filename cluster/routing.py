@@ -92,8 +92,6 @@ class CostAwareRouter:
             else:
                 found = await lookup_with_timeout(self.index, chains, self.timeout_s)
         choice = await self._choose_exact(request, candidates, found, chains)
-        if chains:
-            choice = replace(choice, index_holders=None if found is None else dict(found))
         if slots:
             offers = self._donor_offers(choice.worker_id, slots)
             if offers:
@@ -128,7 +126,6 @@ class CostAwareRouter:
         prompt = len(request.prompt_ids)
         holdings = found or {}  # ``found`` None (timed out) must not purge the shadow caches: passed as is
         pending = self.placer.pending_tokens(chains, found, workers, prompt, self.block_size, time.monotonic())
-        routed = {w: n for w, n in pending.items() if n}
         self._publish_loads(candidates)
         ranking = await self.client.rank(prompt, holdings, workers, pending)
         # decided after the await, so requests routed meanwhile are in the shadow caches already
@@ -138,10 +135,12 @@ class CostAwareRouter:
                                     reuse=request.reuse != "none",
                                     running={w.worker_id: w.running for w in candidates})
         if placed is None:
-            return await self.fallback.choose(request, candidates)
+            choice = await self.fallback.choose(request, candidates)
+            return replace(choice, index_holders=found) if chains else choice
         choice = self._route_choice(request, candidates, holdings, chains, placed)
         self.client.report("report_decision", choice.route)
-        return replace(choice, routed_holders=routed) if chains else choice
+        # what it saw: the index's answer (None: none in time) and the router's own record
+        return replace(choice, index_holders=found, routed_holders=pending) if chains else choice
 
     def _route_choice(self, request: Request, candidates: Sequence[WorkerState], holdings: dict[str, int],
                       chains: dict[str, list[bytes]], placed) -> RouteChoice:
