@@ -76,7 +76,9 @@ class Worker:
         self.export_stats = {"calls": 0, "blocks": 0}  # export_prefix served to pulling peers
         self.fault_stats = {"exports_faulted": 0}  # exports the fault hooks slowed or altered
         # pulled chunks refused (content != the holder's digest); requests that waited for a pull in progress
-        self.pull_stats = {"rejected_digest": 0, "joined": 0}
+        # pulls that waited for room in the pool, and that found none before their deadline
+        self.pull_stats = {"rejected_digest": 0, "joined": 0, "waited_for_room": 0, "skipped_no_room": 0}
+        self.room_poll_s = 0.2  # a pull with no room yet asks again this often (``_pull_planned``)
         # prefixes this worker is pulling now: (domain, the prompt tokens the pull covers, set when it ends)
         self._pulling: list[tuple[str, tuple[int, ...], asyncio.Event]] = []
         self._aborted: OrderedDict[str, None] = OrderedDict()  # aborts of requests not (yet) in the engine
@@ -104,6 +106,8 @@ class Worker:
                                                       self._pull_donor(request, donor_pulls))
         if request.request_id in self._aborted:
             del self._aborted[request.request_id]
+            if pulls:  # what its pull holds here for it
+                await self.engine.call(lambda e: e.release_hold(request.request_id))
             return  # aborted while its KV was being pulled: never run it
         first = True
         async for out in self.engine.generate(request):
@@ -188,8 +192,9 @@ class Worker:
                 data = replace(data, k=k)
         return data
 
-    async def _pull(self, request: Request, pulls: tuple[Pull, ...]) -> tuple[int, int]:
-        """(prompt tokens held locally before, tokens imported by pulls).
+    async def _pull(self, request: Request, pulls: tuple[Pull, ...], serving: bool = True) -> tuple[int, int]:
+        """(prompt tokens held locally before, tokens imported by pulls). ``serving``: the request
+        runs here next (its pull waits for room and is held for it); False: a copy (replication).
 
         The engine thread is asked once before the transfers (chains, held prefix, room for each
         pull) and once per arrived chunk (its import, queued without waiting for the one before:
@@ -206,22 +211,40 @@ class Worker:
         entry = (request.domain, tuple(request.prompt_ids[:span]), asyncio.Event())
         self._pulling.append(entry)
         try:
-            return await self._pull_planned(request, pulls)
+            return await self._pull_planned(request, pulls, serving)
         finally:
             self._pulling.remove(entry)
             entry[2].set()
 
-    async def _pull_planned(self, request: Request, pulls: tuple[Pull, ...]) -> tuple[int, int]:
-        """``_pull`` once registered: the plan on the engine thread, then the pulls that fit."""
+    async def _pull_planned(self, request: Request, pulls: tuple[Pull, ...], serving: bool) -> tuple[int, int]:
+        """``_pull`` once registered: the plan on the engine thread, then the pulls that fit.
+
+        While no pull fits and the engine runs requests (whose blocks free up as they finish),
+        the plan is asked again, until the pull's deadline: the request would wait for room in
+        the queue anyway, and started without its pull it computes the prefix again (the cluster
+        bench, session 20: a planned pull skipped on a crowded worker ran as a 31 s recompute).
+        The prefix held here and each landed chunk are held for the request until it is admitted
+        (``LLMEngine.hold_prefix``, ``engine/import_holds.py``)."""
 
         def plan(e):
             chains = e.prompt_chains(request)
             if not chains:
-                return chains, 0, ()
-            return (chains, e.held_prefix_tokens(chains),
-                    tuple(e.can_import(chains, p.start_block, p.end_block, request.tenant) for p in pulls))
+                return chains, 0, (), False
+            room = tuple(e.can_import(chains, p.start_block, p.end_block, request.tenant) for p in pulls)
+            local = e.held_prefix_tokens(chains)
+            if serving and any(room):
+                e.hold_prefix(request.request_id, chains)
+            return chains, local, room, bool(e.scheduler.running)
 
-        chains, local, room = await self.engine.call(plan)
+        deadline = time.perf_counter() + self.pull_timeout_s  # not the transfer's: the queue is waited anyway
+        chains, local, room, busy = await self.engine.call(plan)
+        waited = False
+        while serving and chains and not any(room) and busy and time.perf_counter() < deadline:
+            waited = True
+            await asyncio.sleep(self.room_poll_s)
+            chains, local, room, busy = await self.engine.call(plan)
+        if waited:
+            self.pull_stats["waited_for_room"] += 1
         if not chains:
             return 0, 0
 
@@ -234,6 +257,7 @@ class Worker:
             land whole in the pool is not started."""
             if not fits:
                 log.info("pull of blocks %d-%d skipped: no room for them", p.start_block, p.end_block)
+                self.pull_stats["skipped_no_room"] += 1
                 return 0
             t0 = time.perf_counter()
             got = {"nbytes": 0, "seconds": 0.0}
@@ -245,7 +269,8 @@ class Worker:
                 if not landing["ok"]:
                     return 0
                 try:
-                    return e.import_prefix(data, a, chains, request.tenant)
+                    return e.import_prefix(data, a, chains, request.tenant,
+                                           hold_for=request.request_id if serving else None)
                 except BaseException:
                     landing["ok"] = False
                     raise
@@ -334,7 +359,7 @@ class Worker:
 
     async def prefetch(self, request: Request, pulls: tuple[Pull, ...]) -> int:
         """Import a prompt's prefix from holders without running the request (replication)."""
-        return (await self._pull(request, pulls))[1]
+        return (await self._pull(request, pulls, serving=False))[1]
 
     def probe_payload(self, nbytes: int):
         """Bytes for a peer's link probe (through the object store, like a pull)."""

@@ -293,7 +293,7 @@ def other_workloads(args, tok) -> dict[str, tuple[list[workloads.WorkItem], list
     return {k: v for k, v in all_.items() if k in args.workloads}
 
 
-WHY = ("placement", "index_holders", "routed_holders", "planned_route", "expected_ttft_s")  # kvmesh's explanation
+WHY = ("placement", "index_holders", "routed_holders", "planned_route", "expected_ttft_s", "options")  # kvmesh's explanation
 
 
 def per_request(results: list[Result], items: list[workloads.WorkItem], oracle: list[int]) -> list[dict]:

@@ -238,7 +238,7 @@ class _Ctx:
                       exact_cached_tokens=out.num_cached_tokens - approx, approx_cached_tokens=approx,
                       pulled_tokens=out.pulled_tokens, reuse=self.requests[p].reuse, placement=choice.placement,
                       index_holders=choice.index_holders, routed_holders=choice.routed_holders,
-                      planned_route=choice.route, expected_ttft_s=choice.expected_ttft_s)
+                      planned_route=choice.route, expected_ttft_s=choice.expected_ttft_s, options=choice.options)
 
     def _kvmesh(self) -> dict:
         """The response's ``kvmesh`` object: the serving of its one prompt, or ``{"prompts": [...]}``."""

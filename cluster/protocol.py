@@ -516,13 +516,15 @@ class Served:
     routed_holders: dict | None = None
     planned_route: str | None = None  # the router's plan (``route`` is what the worker did: a pull may fail)
     expected_ttft_s: float | None = None  # the router's TTFT estimate of its plan
+    options: dict | None = None  # the ranking it chose from (cluster.types.RouteChoice.options)
 
     def as_dict(self) -> dict:
         return {"worker": self.worker, "route": self.route, "exact_cached_tokens": self.exact_cached_tokens,
                 "approx_cached_tokens": self.approx_cached_tokens, "pulled_tokens": self.pulled_tokens,
                 "reuse": self.reuse, "placement": self.placement, "index_holders": self.index_holders,
                 "routed_holders": self.routed_holders, "planned_route": self.planned_route,
-                "expected_ttft_s": None if self.expected_ttft_s is None else round(self.expected_ttft_s, 3)}
+                "expected_ttft_s": None if self.expected_ttft_s is None else round(self.expected_ttft_s, 3),
+                "options": self.options}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

@@ -52,6 +52,15 @@ ROUTE_TIMEOUT_S = 0.2
 ROUTER_FLUSH_S = 5.0
 
 
+def options_of(ranking) -> dict | None:
+    """Per ranked worker: its best option's kind and expected TTFT, and its best pull's TTFT
+    where a pull was possible but ranked below (None: no ranking, the router did not answer)."""
+    if not ranking:
+        return None
+    return {c.worker: {"kind": c.kind, "ttft_s": round(c.expected_ttft_s, 3),
+                       **({"pull_ttft_s": round(c.pull_option_ttft_s, 3)} if c.pull_option_ttft_s is not None else {})}
+            for c in ranking}
+
 class CostAwareRouter:
     def __init__(self, model_id: str, block_size: int, index=None, client: RouterClient | None = None,
                  worker_lookup: Callable[[str], WorkerState | None] | None = None, timeout_s: float = 0.05,
@@ -139,8 +148,9 @@ class CostAwareRouter:
             return replace(choice, index_holders=found) if chains else choice
         choice = self._route_choice(request, candidates, holdings, chains, placed)
         self.client.report("report_decision", choice.route)
-        # what it saw: the index's answer (None: none in time) and the router's own record
-        return replace(choice, index_holders=found, routed_holders=pending) if chains else choice
+        # what it saw: the index's answer (None: none in time), the router's own record, the ranking
+        return replace(choice, index_holders=found, routed_holders=pending,
+                       options=options_of(ranking)) if chains else choice
 
     def _route_choice(self, request: Request, candidates: Sequence[WorkerState], holdings: dict[str, int],
                       chains: dict[str, list[bytes]], placed) -> RouteChoice:

@@ -59,6 +59,9 @@ class RouteChoice:
     # router's own record of what it routed (``Placer.pending``, not yet indexed included)
     index_holders: dict | None = None
     routed_holders: dict | None = None
+    # the cost model's ranking it chose from: per worker, its best option's kind and expected TTFT
+    # (and, where a pull was possible but ranked below, that pull's) (``options_of``)
+    options: dict | None = None
 
 
 class Router(Protocol):

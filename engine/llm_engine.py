@@ -13,6 +13,7 @@ import torch
 from engine.approx import ApproxConfig, ApproxReuse, ShadowJob
 from engine.redact import describe_exc
 from engine.fault_isolation import forward_isolating
+from engine.import_holds import ImportHolds
 from engine.block_pool import BlockHash, BlockPool, prompt_chains
 from engine.kv_cache import KVBlocks, PagedKVCache, token_slots
 from engine.kv_manager import KVManager
@@ -77,6 +78,9 @@ class EngineConfig:
     # cores (needs root / CAP_SYS_NICE: refused -> logged, unchanged). 0: untouched
     thread_nice: int = 0
     approx: ApproxConfig | None = ApproxConfig()  # None: "approximate" requests run exactly (CPU only)
+    # pulled KV (and the local prefix it extends) is held for its request until that request is
+    # admitted, at most this long (engine/import_holds.py)
+    import_hold_s: float = 60.0
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -114,6 +118,7 @@ class LLMEngine:
                                   mcfg.num_key_value_heads, head_dim, dtype, config.device)
         self.pool = BlockPool(num_blocks, config.block_size, TenantEvictionPolicy(config.tenant_quotas, protect_s=config.cache_protect_s))
         self.kv = KVManager(self.pool, self.loaded.model_id, config.enable_prefix_caching)
+        self.holds = ImportHolds(self.pool, config.import_hold_s)  # pulled KV kept for its request
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_seqs, config.max_num_batched_tokens,
             low_priority_prefill_tokens=config.low_priority_prefill_tokens,
@@ -205,7 +210,11 @@ class LLMEngine:
         return seq
 
     def add_request(self, request: Request) -> None:
-        self.validate(request)
+        try:
+            self.validate(request)
+        except BaseException:
+            self.holds.release(request.request_id)  # KV pulled for a request refused here
+            raise
         group = SeqGroup(request.params.n)
         seq = self._new_choice(request, group, 0)
         if request.params.prompt_logprobs is not None:
@@ -250,6 +259,7 @@ class LLMEngine:
         group.num_finished = group.n
         first = group.choices[0]
         self.seqs.pop(first.request_id, None)
+        self.holds.release(first.request_id)  # aborted or failed before admission
         self.trace.forget(first.request_id)
         return self._output(last or first, [], "", error=error)
 
@@ -264,6 +274,8 @@ class LLMEngine:
             self._run_shadow(self._shadow_jobs.popleft())
         early = self._admit_approximate() if self.approx is not None else []
         scheduled = self.scheduler.schedule()
+        if self.holds:
+            self._settle_holds(bool(scheduled))
         if not scheduled:
             return early
         chunks, plp = [], []  # plp: (seq, first position, count, first batch row) of prompt-logprob rows
@@ -673,6 +685,28 @@ class LLMEngine:
                              cumulative_logprob=seq.cumulative_logprob, error=error)
 
     # -- moving KV between engines (pulls) ---------------------------------------------------
+    def _settle_holds(self, moved: bool) -> None:
+        """After a schedule: admitted requests' holds go (their hits hold the blocks now), old
+        ones expire, and when nothing could be scheduled while requests wait, all go."""
+        for seq in self.scheduler.running:
+            self.holds.release(seq.request_id, used=True)
+        self.holds.expire()
+        if not moved and self.scheduler.waiting and not self.scheduler.running:
+            self.holds.release_all()
+
+    def hold_prefix(self, request_id: str, chains: dict[str, list[BlockHash]]) -> int:
+        """Hold the leading prompt blocks cached here for ``request_id`` until it is admitted
+        (a pull about to extend them: engine/import_holds.py). Blocks held (0 if held already)."""
+        if request_id in self.holds:
+            return 0
+        blocks = self.kv.held_blocks(chains)
+        self.holds.add(request_id, blocks)
+        return len(blocks)
+
+    def release_hold(self, request_id: str) -> bool:
+        """Drop what is held for a request that will not be added (aborted during its pull)."""
+        return self.holds.release(request_id)
+
     def prompt_chains(self, request: Request) -> dict[str, list[BlockHash]]:
         """Chain hashes of the request's reusable prompt blocks under each domain it may read
         (own domain first). Empty when the request does not reuse KV."""
@@ -727,9 +761,11 @@ class LLMEngine:
         self.export_races += 1
         return data.head(intact) if intact else None
 
-    def import_prefix(self, data: KVBlocks, start: int, chains: dict[str, list[BlockHash]], tenant: str) -> int:
-        """Verify pulled blocks against ``chains`` and register them in the prefix cache (evictable,
-        charged to ``tenant``). Returns tokens imported; raises ValueError on a mismatch."""
+    def import_prefix(self, data: KVBlocks, start: int, chains: dict[str, list[BlockHash]], tenant: str,
+                      hold_for: str | None = None) -> int:
+        """Verify pulled blocks against ``chains`` and register them in the prefix cache (charged to
+        ``tenant``): evictable, or held for request ``hold_for`` until it is admitted. Returns
+        tokens imported; raises ValueError on a mismatch."""
         bs = self.config.block_size
         if data.model_id != self.loaded.model_id:
             raise ValueError(f"pulled KV is for model {data.model_id!r}, not {self.loaded.model_id!r}")
@@ -753,7 +789,10 @@ class LLMEngine:
         self.cache.import_blocks([b.block_id for b in blocks], data)
         for block, (_, h, parent, domain) in zip(blocks, placed):
             self.pool.cache_full_block(block, h, parent, tenant, domain)
-        self.pool.free(blocks)
+        if hold_for is None:
+            self.pool.free(blocks)
+        else:
+            self.holds.add(hold_for, blocks, referenced=True)
         return len(placed) * bs
 
     # -- conveniences ----------------------------------------------------------------------
@@ -802,6 +841,7 @@ class LLMEngine:
             "prefill_joins": self.scheduler.num_joined,
             "steps": self.num_steps, "interrupted_steps": self.num_interrupted_steps,
             "failed_requests": self.num_failed, "optional_failures": dict(self.optional_failures),
+            "import_holds": {**self.holds.stats, "active": len(self.holds), "blocks": self.holds.num_blocks()},
             "tenants": {
                 t: {**vars(m), "blocks_held": self.pool.eviction.held.get(t, 0),
                     "evictions": self.pool.stats.get(t).evictions if t in self.pool.stats else 0,

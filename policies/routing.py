@@ -36,7 +36,7 @@ import itertools
 import math
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Literal, Mapping, Sequence
 
 WorkerId = str
@@ -330,6 +330,9 @@ class Candidate:
     pulled_tokens: int
     pulls: tuple[PullRange, ...] = ()
     decode_wait_s: float = 0.0  # the part of ``wait_s`` charged for sequences decoding on ``worker``
+    # in a ranking (best per worker): the expected TTFT of this worker's best pull, where a pull
+    # was possible but ranked below this option (why a holder in the index was not pulled from)
+    pull_option_ttft_s: float | None = None
 
     @property
     def cached_tokens(self) -> int:
@@ -536,13 +539,18 @@ class CostModel:
     def rank(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
              workers: Iterable[WorkerId] | None = None,
              pending: Mapping[WorkerId, int] | None = None) -> list[Candidate]:
-        """Best candidate per worker, ascending expected TTFT (ties: fewer pulled tokens, id)."""
+        """Best candidate per worker, ascending expected TTFT (ties: fewer pulled tokens, id); one
+        that is not a pull carries its worker's best pull's TTFT where there was one."""
         best: dict[WorkerId, Candidate] = {}
+        pulls: dict[WorkerId, Candidate] = {}
         for c in self.candidates(prompt_tokens, holdings, workers, pending):
-            cur = best.get(c.worker)
-            if cur is None or _order(c) < _order(cur):
-                best[c.worker] = c
-        return sorted(best.values(), key=_order)
+            for top in (best, pulls) if c.kind == "pulled" else (best,):
+                cur = top.get(c.worker)
+                if cur is None or _order(c) < _order(cur):
+                    top[c.worker] = c
+        return sorted((c if c.kind == "pulled" or c.worker not in pulls
+                       else replace(c, pull_option_ttft_s=pulls[c.worker].expected_ttft_s) for c in best.values()),
+                      key=_order)
 
     def decide(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
                workers: Iterable[WorkerId] | None = None,

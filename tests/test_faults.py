@@ -151,14 +151,15 @@ async def test_a_pull_is_joinable_while_its_plan_waits_for_a_busy_engine():
 
     w = Worker.__new__(Worker)  # the pull bookkeeping only: no engine, no Ray
     w.config = CFG
-    w._pulling, w.pull_stats, w.router = [], {"joined": 0}, None
-    w.pull_timeout_s = 30.0
+    w._pulling, w.router = [], None
+    w.pull_stats = {"joined": 0, "waited_for_room": 0, "skipped_no_room": 0}
+    w.pull_timeout_s, w.room_poll_s = 30.0, 0.01
     engine_busy = asyncio.Event()
 
     class _Engine:  # the plan's call waits for the "step in progress"
         async def call(self, fn):
             await engine_busy.wait()
-            return {"t1": [b"h"] * 4}, 0, (False,)  # the prompt's chains, nothing held, no room
+            return {"t1": [b"h"] * 4}, 0, (False,), False  # the prompt's chains, nothing held, no room, idle
 
     w.engine = _Engine()
     first = Request("a", PREFIX + (5,), GREEDY, tenant="t1")

@@ -307,8 +307,12 @@ def test_chunked_pull_imports_in_order_and_stops_at_the_first_missing_chunk(tiny
         # an abort that arrives while the request is still pulling: the request never runs
         ray.get(target.abort.remote("gone"))
         assert ray.get(target.generate_all.remote(Request("gone", prompt, GREEDY, tenant="t1"))) == []
+        ray.get(target.abort.remote("gone2"))  # ... also one with a pull: what it held for it is let go
+        assert ray.get(target.generate_all.remote(Request("gone2", prompt, GREEDY, tenant="t1"),
+                                                  (Pull(holder, "n", 0, 4),))) == []
         stats = ray.get(target.stats.remote())
         assert stats["free_blocks"] == stats["num_blocks"]  # imported blocks are cached, none pinned
+        assert stats["import_holds"]["active"] == 0 and stats["import_holds"]["released"] == 1
     finally:
         if started:
             ray.shutdown()

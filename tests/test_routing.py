@@ -53,6 +53,21 @@ def test_low_bandwidth_recomputes_rather_than_pulls():
     assert d.worker == "B" and d.kind == "recomputed" and d.chosen.pulled_tokens == 0
 
 
+def test_a_ranked_recompute_shows_the_pull_it_was_preferred_to():
+    """Why a worker with a holder in the index recomputed: its best pull's TTFT rides along."""
+    cm = model(("A", "n1"), ("B", "n2"))
+    teach_link(cm, "n1", "n2", 100e6 / 8)
+    cm.observe_load("A", WorkerLoad(extra_wait_s=5.0))
+    by = {c.worker: c for c in cm.rank(2048, {"A": 2048})}
+    b_pull = [c for c in cm.candidates(2048, {"A": 2048}) if c.worker == "B" and c.kind == "pulled"]
+    assert by["B"].kind == "recomputed" and by["B"].pull_option_ttft_s == min(c.expected_ttft_s for c in b_pull)
+    assert by["B"].pull_option_ttft_s > by["B"].expected_ttft_s
+    assert by["A"].kind == "local" and by["A"].pull_option_ttft_s is None  # nothing to pull: it holds it all
+    teach_link(cm, "n1", "n2", 10 * GBIT, n=20)
+    b = next(c for c in cm.rank(2048, {"A": 2048}) if c.worker == "B")
+    assert b.kind == "pulled" and b.pull_option_ttft_s is None
+
+
 def test_low_bandwidth_routes_to_idle_holder():
     cm = model(("A", "n1"), ("B", "n2"))
     teach_link(cm, "n1", "n2", 100e6 / 8)
