@@ -23,6 +23,9 @@ from engine.llm_engine import EngineConfig
 from engine.sequence import Request, RequestOutput
 
 log = logging.getLogger(__name__)
+# what a pull did (``RequestOutput.pull_outcome``, the response's ``kvmesh.pull_outcome``)
+PULL_OUTCOMES = ("landed", "partial", "skipped_no_room", "holder_missing", "timed_out", "failed")
+PULL_STATS = ("rejected_digest", "joined", "waited_for_room", *PULL_OUTCOMES[2:])
 ROUTER_REPORT_FLUSH_S = 0.5  # a worker's reports to the router wait at most this long to share one call
 
 
@@ -77,7 +80,9 @@ class Worker:
         self.fault_stats = {"exports_faulted": 0}  # exports the fault hooks slowed or altered
         # pulled chunks refused (content != the holder's digest); requests that waited for a pull in progress
         # pulls that waited for room in the pool, and that found none before their deadline
-        self.pull_stats = {"rejected_digest": 0, "joined": 0, "waited_for_room": 0, "skipped_no_room": 0}
+        # pulls whose holder had the blocks no longer (evicted since the index showed them), and
+        # pulls that ran past their deadline or failed otherwise (their missing blocks recomputed)
+        self.pull_stats = dict.fromkeys(PULL_STATS, 0)
         self.room_poll_s = 0.2  # a pull with no room yet asks again this often (``_pull_planned``)
         # prefixes this worker is pulling now: (domain, the prompt tokens the pull covers, set when it ends)
         self._pulling: list[tuple[str, tuple[int, ...], asyncio.Event]] = []
@@ -95,32 +100,46 @@ class Worker:
 
     async def generate(self, request: Request, pulls: tuple[Pull, ...] = (), donor_pulls: tuple[DonorPull, ...] = ()):
         """Stream outputs. ``pulls`` (from the router) name holders of the prompt's prefix: their
-        KV is fetched first; any failure just leaves those blocks to be recomputed.
+        KV is fetched while the request waits in the engine's queue (admitted once it has landed);
+        any failure just leaves those blocks to be recomputed.
         ``donor_pulls`` name template donors on other workers (approximate reuse): one that fits
         the request's slot class is fetched first; any failure leaves the request to run as it
         would have (exactly, unless a local donor fits). A request whose approximate KV came
         from a pulled donor reports route "pulled" with those tokens in ``pulled_tokens``."""
         if not pulls:
             await self._join_pull(request)
-        (local, pulled), donor = await asyncio.gather(self._pull(request, pulls),
-                                                      self._pull_donor(request, donor_pulls))
-        if request.request_id in self._aborted:
-            del self._aborted[request.request_id]
-            if pulls:  # what its pull holds here for it
-                await self.engine.call(lambda e: e.release_hold(request.request_id))
-            return  # aborted while its KV was being pulled: never run it
-        first = True
-        async for out in self.engine.generate(request):
-            gained = max(0, min(pulled, out.num_cached_tokens - local))
-            if donor and out.num_approx_tokens:
-                gained += out.num_approx_tokens
-            route = "pulled" if gained else ("local" if out.num_cached_tokens else "recomputed")
-            out = replace(out, route=route, pulled_tokens=gained)
-            if first and out.prefill_s is not None and self.router is not None and self.report_prefills:
-                self.router.report("report_prefill", self.worker_id, out.num_prompt_tokens - out.num_cached_tokens,
-                                   out.prefill_s, out.num_cached_tokens)
-            first = False
-            yield out
+        # the request is queued as soon as its pull is planned: it keeps its place in the queue
+        # and the transfer overlaps its wait there (the engine admits it once the pull has landed)
+        queued, outcomes = asyncio.Event(), []
+        pull = asyncio.ensure_future(self._pull(request, pulls, queued=queued, outcomes=outcomes))
+        try:
+            donor = await self._pull_donor(request, donor_pulls)
+            await queued.wait()
+            if pull.done():
+                pull.result()  # what the plan raised
+            if request.request_id in self._aborted:
+                del self._aborted[request.request_id]
+                if pulls:  # what its pull holds here for it
+                    await self.engine.call(lambda e: e.release_hold(request.request_id))
+                return  # aborted while its KV was being pulled: never run it
+            first = True
+            async for out in self.engine.generate(request):
+                if first:  # admitted: its pull has ended (the engine waited for it)
+                    local, pulled = await pull
+                    outcome = ",".join(dict.fromkeys(outcomes)) or None
+                gained = max(0, min(pulled, out.num_cached_tokens - local))
+                if donor and out.num_approx_tokens:
+                    gained += out.num_approx_tokens
+                route = "pulled" if gained else ("local" if out.num_cached_tokens else "recomputed")
+                out = replace(out, route=route, pulled_tokens=gained, pull_outcome=outcome)
+                if first and out.prefill_s is not None and self.router is not None and self.report_prefills:
+                    self.router.report("report_prefill", self.worker_id, out.num_prompt_tokens - out.num_cached_tokens,
+                                       out.prefill_s, out.num_cached_tokens)
+                first = False
+                yield out
+        finally:
+            if not pull.done():  # the request ended (abort, disconnect, refusal) before its pull
+                pull.cancel()
 
     async def generate_all(self, request: Request, pulls: tuple[Pull, ...] = (),
                            donor_pulls: tuple[DonorPull, ...] = ()) -> list[RequestOutput]:
@@ -192,9 +211,13 @@ class Worker:
                 data = replace(data, k=k)
         return data
 
-    async def _pull(self, request: Request, pulls: tuple[Pull, ...], serving: bool = True) -> tuple[int, int]:
+    async def _pull(self, request: Request, pulls: tuple[Pull, ...], serving: bool = True,
+                    queued: asyncio.Event | None = None, outcomes: list[str] | None = None) -> tuple[int, int]:
         """(prompt tokens held locally before, tokens imported by pulls). ``serving``: the request
         runs here next (its pull waits for room and is held for it); False: a copy (replication).
+        ``queued`` is set once the request may be added to the engine: when its pull is planned
+        (the engine then admits it only after ``LLMEngine.pull_landed``), or when the pull ends.
+        ``outcomes`` gets each pull's outcome (``PULL_OUTCOMES``).
 
         The engine thread is asked once before the transfers (chains, held prefix, room for each
         pull) and once per arrived chunk (its import, queued without waiting for the one before:
@@ -202,6 +225,8 @@ class Worker:
         (``LLMEngine.export_prefix``). On a busy worker each engine call waits for the step in
         progress, so these waits, not the link, used to set a pull's time."""
         if not pulls:
+            if queued is not None:
+                queued.set()
             return 0, 0
         # registered before the plan: on a busy worker the plan's engine call waits for the step in
         # progress (seconds on a slow host), and a request of the same prefix routed here meanwhile
@@ -210,21 +235,32 @@ class Worker:
         span = max(p.end_block for p in pulls) * self.config.block_size
         entry = (request.domain, tuple(request.prompt_ids[:span]), asyncio.Event())
         self._pulling.append(entry)
-        try:
-            return await self._pull_planned(request, pulls, serving)
+        # landing: the engine waits for pull_landed; outcomes: one per pull
+        expected = {"queued": queued, "landing": False, "outcomes": [] if outcomes is None else outcomes}
+        try:  # import_hold_s 0: pulled KV is evictable as it lands, and a pull with no room is skipped
+            return await self._pull_planned(request, pulls, serving and self.config.import_hold_s > 0, expected)
         finally:
             self._pulling.remove(entry)
             entry[2].set()
+            if expected["landing"]:
+                try:
+                    await self.engine.call(lambda e: e.pull_landed(request.request_id))
+                except Exception as e:  # noqa: BLE001 - a dead engine ends the request anyway
+                    log.debug("pull_landed of %s failed: %s", request.request_id, describe_exc(e))
+            if queued is not None:
+                queued.set()
 
-    async def _pull_planned(self, request: Request, pulls: tuple[Pull, ...], serving: bool) -> tuple[int, int]:
+    async def _pull_planned(self, request: Request, pulls: tuple[Pull, ...], serving: bool,
+                            expected: dict) -> tuple[int, int]:
         """``_pull`` once registered: the plan on the engine thread, then the pulls that fit.
 
         While no pull fits and the engine runs requests (whose blocks free up as they finish),
         the plan is asked again, until the pull's deadline: the request would wait for room in
         the queue anyway, and started without its pull it computes the prefix again (the cluster
         bench, session 20: a planned pull skipped on a crowded worker ran as a 31 s recompute).
-        The prefix held here and each landed chunk are held for the request until it is admitted
-        (``LLMEngine.hold_prefix``, ``engine/import_holds.py``)."""
+        The prefix held here and each landed chunk are held for the request until it is admitted,
+        and once a pull fits the request is queued while the chunks arrive (``expected``, see
+        ``LLMEngine.expect_pull``, ``engine/import_holds.py``)."""
 
         def plan(e):
             chains = e.prompt_chains(request)
@@ -233,7 +269,8 @@ class Worker:
             room = tuple(e.can_import(chains, p.start_block, p.end_block, request.tenant) for p in pulls)
             local = e.held_prefix_tokens(chains)
             if serving and any(room):
-                e.hold_prefix(request.request_id, chains)
+                e.expect_pull(request.request_id, chains)
+                expected["landing"] = True
             return chains, local, room, bool(e.scheduler.running)
 
         deadline = time.perf_counter() + self.pull_timeout_s  # not the transfer's: the queue is waited anyway
@@ -245,6 +282,8 @@ class Worker:
             chains, local, room, busy = await self.engine.call(plan)
         if waited:
             self.pull_stats["waited_for_room"] += 1
+        if expected["landing"] and expected["queued"] is not None:
+            expected["queued"].set()  # queued now: admitted once pull_landed
         if not chains:
             return 0, 0
 
@@ -257,13 +296,13 @@ class Worker:
             land whole in the pool is not started."""
             if not fits:
                 log.info("pull of blocks %d-%d skipped: no room for them", p.start_block, p.end_block)
-                self.pull_stats["skipped_no_room"] += 1
-                return 0
+                return outcome("skipped_no_room", 0)
             t0 = time.perf_counter()
             got = {"nbytes": 0, "seconds": 0.0}
             step = self._pull_chunk_blocks()
             ranges = [(a, min(a + step, p.end_block)) for a in range(p.start_block, p.end_block, step)]
             landing = {"ok": True}  # written on the engine thread (in import order), read by fetch
+            seen = {"missing": False, "whole": False}  # the holder had nothing; every chunk came whole
 
             def land(e, data: KVBlocks, a: int) -> int:
                 if not landing["ok"]:
@@ -291,7 +330,11 @@ class Worker:
                         ahead.append(asyncio.ensure_future(arrive(*ranges[nxt])))
                         nxt += 1
                     data, arrived = await ahead.popleft()
-                    if data is None:
+                    if data is None:  # the holder no longer has them (evicted since it was indexed)
+                        if a == p.start_block:
+                            seen["missing"] = True
+                            log.info("pull of blocks %d-%d from %s: the holder has them no longer",
+                                     p.start_block, p.end_block, p.holder_node)
                         return
                     if not await asyncio.to_thread(data.digest_ok):
                         self.pull_stats["rejected_digest"] += 1
@@ -301,6 +344,7 @@ class Worker:
                     imports.append(self.engine.call(lambda e, data=data, a=a: land(e, data, a)))
                     if data.num_blocks < b - a:
                         return
+                seen["whole"] = True
 
             failure = None
             try:
@@ -325,6 +369,14 @@ class Worker:
             if self.router is not None:
                 self.router.report("report_transfer", p.holder_node, self.node_id, got["nbytes"],
                                    got["seconds"] if ok else time.perf_counter() - t0, ok)
+            if failure is not None:
+                return outcome("timed_out" if isinstance(failure, asyncio.TimeoutError) else "failed", imported)
+            return outcome("holder_missing" if seen["missing"] else "landed" if seen["whole"] else "partial", imported)
+
+        def outcome(what: str, imported: int) -> int:
+            if what in self.pull_stats:
+                self.pull_stats[what] += 1
+            expected["outcomes"].append(what)
             return imported
 
         imported = await asyncio.gather(*(one(p, fits) for p, fits in zip(pulls, room)))

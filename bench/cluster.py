@@ -293,7 +293,7 @@ def other_workloads(args, tok) -> dict[str, tuple[list[workloads.WorkItem], list
     return {k: v for k, v in all_.items() if k in args.workloads}
 
 
-WHY = ("placement", "index_holders", "routed_holders", "planned_route", "expected_ttft_s", "options")  # kvmesh's explanation
+WHY = ("placement", "index_holders", "routed_holders", "planned_route", "expected_ttft_s", "options", "pull_outcome")  # kvmesh's explanation
 
 
 def per_request(results: list[Result], items: list[workloads.WorkItem], oracle: list[int]) -> list[dict]:
@@ -311,12 +311,19 @@ def per_request(results: list[Result], items: list[workloads.WorkItem], oracle: 
 
 def router_estimates(cl: "Cluster") -> dict | None:
     """The kvmesh router's estimates at this moment (links, prefill fits, waits; the admin view of
-    ``/kvmesh/workers``): what its pull-or-recompute choices were priced with."""
+    ``/kvmesh/workers``): what its pull-or-recompute choices were priced with; with each worker's
+    pull counters (``pulls``: joined, waited for room, skipped) and import holds (``holds``)."""
     code, text = cl.get("/kvmesh/workers", setup.BENCH_ADMIN_KEY)
     try:
-        return json.loads(text).get("router") if code == 200 else None
+        view = json.loads(text) if code == 200 else None
     except ValueError:
         return None
+    if view is None:
+        return None
+    engines = {w["worker_id"]: w.get("engine") or {} for w in view.get("workers") or []}
+    return {**(view.get("router") or {}),
+            "pulls": {w: e.get("pulls") for w, e in engines.items()},
+            "holds": {w: e.get("import_holds") for w, e in engines.items()}}
 
 
 def hit_ratio(results: list[Result], oracle: list[int]) -> dict:
@@ -617,6 +624,7 @@ def pull_log(cl: Cluster, limit: int = 40) -> dict:
             except OSError:
                 continue
     return {"failed": sum("failed after" in x for x in lines), "skipped": sum("skipped" in x for x in lines),
+            "holder_missing": sum("has them no longer" in x for x in lines),
             "replicated": sum("replicating" in x for x in lines), "lines": lines[-limit:]}
 
 

@@ -94,6 +94,11 @@ class AppSettings:
     # a request whose prompt continues blocks that a running prefill on its worker is computing
     # waits for them instead of computing them again (EngineConfig.join_inflight_prefill)
     join_inflight_prefill: bool = True
+    # a pulled request is queued while its KV arrives (admitted once it has landed; the router
+    # prices a pull as max(wait, transfer)), the pulled KV and the local prefix it extends are held
+    # for it until admitted, at most this long, and a pull with no room waits for room while
+    # requests run (EngineConfig.import_hold_s). 0: off, all three (before session 21)
+    import_hold_s: float = 60.0
     # the router learns, per worker, the wait each decoding sequence adds to a new request's TTFT
     # (policies.routing.DecodeModel), so a busy holder's dominant group spills; false: it charges
     # nothing for decoding sequences (cluster/README, Placement, sessions 8 and 13)
@@ -127,6 +132,8 @@ class AppSettings:
             raise ValueError("low_priority_prefill_tokens must be >= 1")
         if self.cache_protect_s < 0:
             raise ValueError("cache_protect_s must be >= 0 (0: plain LRU)")
+        if self.import_hold_s < 0:
+            raise ValueError("import_hold_s must be >= 0 (0: pulled KV is not held)")
 
     @classmethod
     def from_args(cls, args):
@@ -167,7 +174,7 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                           tenant_quotas=tenants.eviction_quotas(), thread_nice=s.engine_thread_nice,
                           low_priority_prefill_tokens=s.low_priority_prefill_tokens,
                           guarded_steps_alone=s.guarded_steps_alone, interrupt_for_guarded=s.interrupt_for_guarded,
-                          join_inflight_prefill=s.join_inflight_prefill,
+                          join_inflight_prefill=s.join_inflight_prefill, import_hold_s=s.import_hold_s,
                           cache_protect_s=s.cache_protect_s, approx=ApproxConfig(tenant_gates=tenants.quality_gates()))
     return PoolConfig(engine=engine, autoscale=s.autoscale(), shares=tuple(sorted(tenants.worker_shares().items())),
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,
@@ -238,7 +245,8 @@ class _Ctx:
                       exact_cached_tokens=out.num_cached_tokens - approx, approx_cached_tokens=approx,
                       pulled_tokens=out.pulled_tokens, reuse=self.requests[p].reuse, placement=choice.placement,
                       index_holders=choice.index_holders, routed_holders=choice.routed_holders,
-                      planned_route=choice.route, expected_ttft_s=choice.expected_ttft_s, options=choice.options)
+                      planned_route=choice.route, expected_ttft_s=choice.expected_ttft_s, options=choice.options,
+                      pull_outcome=getattr(out, "pull_outcome", None))
 
     def _kvmesh(self) -> dict:
         """The response's ``kvmesh`` object: the serving of its one prompt, or ``{"prompts": [...]}``."""

@@ -258,7 +258,8 @@ class WorkerPool:
 
         if self._router_actor is None:  # the first ready worker tells the KV size per token
             self._router_cost = CostConfig(block_size=ws.info["block_size"], bytes_per_token=ws.info["kv_bytes_per_token"],
-                                           learn_decode=self.config.router_learn_decode)
+                                           learn_decode=self.config.router_learn_decode,
+                                           pull_overlaps_wait=self.config.engine.import_hold_s > 0)
             self._router_actor = await asyncio.to_thread(get_or_create_router, self._router_cost, False,
                                                          self.config.app or None)
             self._router_client = RouterClient(self._router_actor, timeout_s=ROUTE_TIMEOUT_S,

@@ -517,6 +517,7 @@ class Served:
     planned_route: str | None = None  # the router's plan (``route`` is what the worker did: a pull may fail)
     expected_ttft_s: float | None = None  # the router's TTFT estimate of its plan
     options: dict | None = None  # the ranking it chose from (cluster.types.RouteChoice.options)
+    pull_outcome: str | None = None  # what the worker's pulls did (landed, partial, skipped_no_room, ...)
 
     def as_dict(self) -> dict:
         return {"worker": self.worker, "route": self.route, "exact_cached_tokens": self.exact_cached_tokens,
@@ -524,7 +525,7 @@ class Served:
                 "reuse": self.reuse, "placement": self.placement, "index_holders": self.index_holders,
                 "routed_holders": self.routed_holders, "planned_route": self.planned_route,
                 "expected_ttft_s": None if self.expected_ttft_s is None else round(self.expected_ttft_s, 3),
-                "options": self.options}
+                "options": self.options, "pull_outcome": self.pull_outcome}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

@@ -61,6 +61,7 @@ def options_of(ranking) -> dict | None:
                        **({"pull_ttft_s": round(c.pull_option_ttft_s, 3)} if c.pull_option_ttft_s is not None else {})}
             for c in ranking}
 
+
 class CostAwareRouter:
     def __init__(self, model_id: str, block_size: int, index=None, client: RouterClient | None = None,
                  worker_lookup: Callable[[str], WorkerState | None] | None = None, timeout_s: float = 0.05,
@@ -163,6 +164,8 @@ class CostAwareRouter:
         if chosen.pulls:  # the prefill per computed token of this option prices recomputing the pulled ones
             computed = max(1, len(request.prompt_ids) - chosen.cached_tokens)
             deadline = pull_deadline_s(chosen.pull_s, chosen.prefill_s / computed * chosen.pulled_tokens)
+            if chosen.exposed_pull_s < chosen.pull_s:  # it transfers while queued: the wait costs it nothing
+                deadline = max(deadline, chosen.wait_s)
         for r in chosen.pulls:
             holder = self.worker_lookup(r.holder)
             if holder is None or holder.dead:

@@ -103,7 +103,7 @@ class AsyncEngine:
             while not self._stop:
                 if self._kill is not None:
                     raise self._kill
-                block = not self.engine.has_unfinished()
+                block = not self.engine.has_work()
                 try:
                     cmd = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
                 except queue.Empty:

@@ -79,7 +79,10 @@ class EngineConfig:
     thread_nice: int = 0
     approx: ApproxConfig | None = ApproxConfig()  # None: "approximate" requests run exactly (CPU only)
     # pulled KV (and the local prefix it extends) is held for its request until that request is
-    # admitted, at most this long (engine/import_holds.py)
+    # admitted, at most this long (engine/import_holds.py); a serving pull with no room waits for
+    # room while requests run, and its request is queued while the KV arrives (actors/worker.py).
+    # 0: off (pulled KV evictable as it lands, a pull with no room skipped, the request queued
+    # after its pull: before session 21)
     import_hold_s: float = 60.0
 
     def __post_init__(self):
@@ -125,6 +128,7 @@ class LLMEngine:
             priority_hold_s=config.priority_hold_s, alternate_low_prefill=config.alternate_low_prefill,
             guarded_steps_alone=config.guarded_steps_alone,
             join_inflight_prefill=config.join_inflight_prefill), self.kv)
+        self.scheduler.paused = self.holds.awaiting  # requests whose pull is landing wait
         self.runner = ModelRunner(self.loaded.model, self.cache, config.attention)
         self.eos_ids = self._eos_ids()
         self.seqs: dict[str, Sequence] = {}
@@ -266,6 +270,13 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """Requests in flight, or quality-gate shadow checks still to run (one per step)."""
         return self.scheduler.has_unfinished() or bool(self._shadow_jobs)
+
+    def has_work(self) -> bool:
+        """Whether a step could do anything now: ``has_unfinished`` less requests that only
+        wait for their pull to land (a loop with nothing else sleeps until a command comes)."""
+        sched = self.scheduler
+        return (bool(sched.running or self._shadow_jobs)
+                or any(s.request.request_id not in sched.paused for s in sched.waiting))
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -687,21 +698,28 @@ class LLMEngine:
     # -- moving KV between engines (pulls) ---------------------------------------------------
     def _settle_holds(self, moved: bool) -> None:
         """After a schedule: admitted requests' holds go (their hits hold the blocks now), old
-        ones expire, and when nothing could be scheduled while requests wait, all go."""
-        for seq in self.scheduler.running:
+        ones expire, and when nothing could be scheduled while admissible requests wait, all go."""
+        sched = self.scheduler
+        for seq in sched.running:
             self.holds.release(seq.request_id, used=True)
         self.holds.expire()
-        if not moved and self.scheduler.waiting and not self.scheduler.running:
+        if not moved and not sched.running and any(s.request.request_id not in sched.paused for s in sched.waiting):
             self.holds.release_all()
 
-    def hold_prefix(self, request_id: str, chains: dict[str, list[BlockHash]]) -> int:
-        """Hold the leading prompt blocks cached here for ``request_id`` until it is admitted
-        (a pull about to extend them: engine/import_holds.py). Blocks held (0 if held already)."""
-        if request_id in self.holds:
+    def expect_pull(self, request_id: str, chains: dict[str, list[BlockHash]]) -> int:
+        """A pull for ``request_id`` is about to extend the prompt blocks cached here: hold those
+        blocks, and the request (queued now or later) waits for ``pull_landed`` before its
+        admission (engine/import_holds.py). Blocks held (0 if expected already)."""
+        if request_id in self.holds.awaiting or request_id in self.holds:
             return 0
+        self.holds.expect(request_id)
         blocks = self.kv.held_blocks(chains)
         self.holds.add(request_id, blocks)
         return len(blocks)
+
+    def pull_landed(self, request_id: str) -> bool:
+        """``request_id``'s pull ended (whole, partly or failed): it may be admitted now."""
+        return self.holds.landed(request_id)
 
     def release_hold(self, request_id: str) -> bool:
         """Drop what is held for a request that will not be added (aborted during its pull)."""
@@ -789,10 +807,10 @@ class LLMEngine:
         self.cache.import_blocks([b.block_id for b in blocks], data)
         for block, (_, h, parent, domain) in zip(blocks, placed):
             self.pool.cache_full_block(block, h, parent, tenant, domain)
-        if hold_for is None:
-            self.pool.free(blocks)
-        else:
+        if hold_for is not None and (hold_for in self.holds.awaiting or hold_for in self.holds):
             self.holds.add(hold_for, blocks, referenced=True)
+        else:  # evictable (a copy, or its request ended meanwhile)
+            self.pool.free(blocks)
         return len(placed) * bs
 
     # -- conveniences ----------------------------------------------------------------------

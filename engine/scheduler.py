@@ -31,6 +31,9 @@ request arriving during a lower-class step then gets a step of its own next, ins
 it with another lower-class chunk, and the lower classes still progress every other step. With
 one priority class live nothing changes.
 
+A waiting request whose pulled KV is still arriving (``paused``, set by ``LLMEngine.expect_pull``)
+is passed over like a joining one, keeping its place, until its pull ends.
+
 In-flight prefix join (``join_inflight_prefill``, default on): a waiting request whose first
 uncached prompt block is being computed right now by a running prefill it may read (same chain
 hash under one of its readable domains, a producer of at least its priority, exact KV only) is
@@ -59,7 +62,7 @@ from collections import deque
 from dataclasses import dataclass
 
 import time
-from typing import Callable
+from typing import Callable, Container
 
 from engine.kv_manager import KVManager
 from engine.sequence import Sequence, SequenceStatus
@@ -103,6 +106,9 @@ class Scheduler:
         self.num_bypasses = 0  # admissions of a request past an earlier one that did not fit
         self.num_joined = 0  # requests that waited for a running prefill's blocks (join_inflight_prefill)
         self._joining: set[Sequence] = set()  # waiting sequences now waiting for a running prefill
+        # request ids whose KV is still arriving (a pull, engine/import_holds.py): passed over
+        # while waiting, their place in the queue kept
+        self.paused: Container[str] = frozenset()
         self._bypassed: dict[Sequence, int] = {}  # waiting sequence -> times it was passed over
         self._low_ran = False  # the last step carried throttled (lower-class) prefill tokens
         self._alone_last = False  # the last step was a guarded class's alone (guarded_steps_alone)
@@ -200,6 +206,8 @@ class Scheduler:
             low_prio = throttled(prio[id(seq)], top)
             if low_prio and low_left <= 0:
                 continue  # the lower classes' share of this step is spent: not a bypass
+            if seq.request.request_id in self.paused:
+                continue  # its pull is landing: admitted now, it would compute what arrives
             hit = self.kv.find_prefix(seq)
             if inflight and self._joins_inflight(seq, len(hit), prio[id(seq)], inflight):
                 continue  # its next blocks are being computed: take them as hits once registered

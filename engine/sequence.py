@@ -299,6 +299,7 @@ class RequestOutput:
     prefill_s: float | None = None  # forward time spent on this prompt (excludes queueing)
     route: str | None = None  # local | pulled | recomputed, set by the worker on every output
     pulled_tokens: int = 0  # prompt tokens whose KV was pulled from another worker
+    pull_outcome: str | None = None  # what its pulls did, comma separated (actors.worker.PULL_OUTCOMES); None: none
     num_approx_tokens: int = 0  # of num_cached_tokens, those served from approximate (remapped) KV
     index: int = 0  # choice 0..n-1
     choice_finished: bool = False

@@ -379,8 +379,9 @@ class WorkerView:
 
     @property
     def pull_s(self) -> float:
-        """The transfer in ``ttft_s`` when its option is a pull."""
-        return self.candidate.pull_s if self.candidate is not None and self.candidate.kind == "pulled" else 0.0
+        """The part of ``ttft_s`` its transfer adds when its option is a pull (not the part
+        overlapping the wait in the queue)."""
+        return self.candidate.exposed_pull_s if self.candidate is not None else 0.0
 
 
 @dataclass(frozen=True)

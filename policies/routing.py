@@ -318,7 +318,10 @@ class PullRange:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One way to serve the prompt on ``worker``; ``cached_tokens`` = reused prefix (local + pulled)."""
+    """One way to serve the prompt on ``worker``; ``cached_tokens`` = reused prefix (local + pulled).
+    A pull's ``expected_ttft_s`` is ``max(wait_s, pull_s) + prefill_s`` (the request waits in the
+    queue while its KV arrives; ``CostConfig.pull_overlaps_wait``), else ``wait_s + pull_s +
+    prefill_s``; ``exposed_pull_s`` is the part of the TTFT the transfer adds."""
 
     worker: WorkerId
     kind: RouteKind
@@ -333,6 +336,10 @@ class Candidate:
     # in a ranking (best per worker): the expected TTFT of this worker's best pull, where a pull
     # was possible but ranked below this option (why a holder in the index was not pulled from)
     pull_option_ttft_s: float | None = None
+
+    @property
+    def exposed_pull_s(self) -> float:
+        return max(0.0, self.expected_ttft_s - self.wait_s - self.prefill_s) if self.kind == "pulled" else 0.0
 
     @property
     def cached_tokens(self) -> int:
@@ -369,6 +376,9 @@ class CostConfig:
     link_prior: LinkPrior = field(default_factory=LinkPrior)
     min_samples_own_fit: int = 1  # below this a worker uses the pooled fit of all workers
     window: int = 128
+    # a pulled request is queued while its KV arrives (actors/worker.py, engine/import_holds.py):
+    # its TTFT is max(wait, transfer) + prefill; False: wait + transfer + prefill (before session 21)
+    pull_overlaps_wait: bool = True
 
 
 class CostModel:
@@ -532,7 +542,8 @@ class CostModel:
                 pull_s, ranges = plan
                 cached = level * bs
                 pre = self.prefill_s(w, prompt_tokens - cached, cached)
-                out.append(Candidate(w, "pulled", wait + pull_s + pre, wait, pre, pull_s, own,
+                queued = max(wait, pull_s) if self.config.pull_overlaps_wait else wait + pull_s
+                out.append(Candidate(w, "pulled", queued + pre, wait, pre, pull_s, own,
                                      cached - own, ranges, dec))
         return out
 

@@ -452,3 +452,32 @@ def test_steady_sweep_is_one_inference_perf_run_cut_into_stages(tmp_path, monkey
         # cut from the samples at the window's ends
         assert s["cpu"]["cpu_s"]["worker"] == pytest.approx(t1 - t0, abs=0.01)
         assert s["kvmesh_metrics"]["routes"]["local"] == pytest.approx(t1 - t0, abs=1e-5)
+
+
+def test_mt_compare_groups_runs_and_reads_how_planned_pulls_ended(tmp_path):
+    from bench import mt_compare
+
+    def run(name, hits, p50, rows):
+        d = {"configs": {"kvmesh": {"workloads": {"multi_tenant": {
+            "hit": {"vs_oracle": hits}, "ttft_s": {"p50": p50, "p90": 2 * p50, "p99": 3 * p50},
+            "per_request": rows,
+            "router_estimates": {"pulls": {"w0": {"holder_missing": 1}, "w1": {"holder_missing": 2}},
+                                 "holds": {"w0": {"taken": 3}}}}}}}}
+        (tmp_path / name).write_text(json.dumps(d))
+
+    pulled = {"planned_route": "pulled", "route": "pulled", "pull_outcome": "landed", "ttft_s": 2.0, "cached": 400, "oracle": 400}
+    lost = {"planned_route": "pulled", "route": "recomputed", "pull_outcome": "holder_missing", "ttft_s": 6.0,
+            "cached": 0, "oracle": 400}
+    run("a_1.json", 0.9, 1.0, [pulled, lost])
+    run("a_2.json", 0.8, 3.0, [pulled])
+    run("b_1.json", 0.5, 4.0, [lost])
+    res = mt_compare.main([f"a={tmp_path}/a_*.json", f"b={tmp_path}/b_*.json", "--out", str(tmp_path / "o.json")])
+    a = res["groups"]["a"]
+    assert a["summary"]["runs"] == 2 and a["summary"]["hits_vs_oracle"]["mean"] == pytest.approx(0.85)
+    assert a["summary"]["planned_pulls"] == 3 and a["summary"]["planned_pulls_run_as_recompute"] == 1
+    first = a["runs"][0]
+    assert first["pull_outcomes"] == {"landed": 1, "holder_missing": 1} and first["misses"] == 1
+    assert first["median_ttft_s_by_route"] == {"local": None, "pulled": 2.0, "recomputed": 6.0}
+    assert first["worker_pulls"] == {"holder_missing": 3} and first["worker_holds"] == {"taken": 3}
+    assert res["ratios"]["hits a/b"] == pytest.approx(1.7) and res["ratios"]["ttft p50 b/a"] == pytest.approx(2.0)
+    assert json.loads((tmp_path / "o.json").read_text())["ratios"] == res["ratios"]

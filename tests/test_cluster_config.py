@@ -34,7 +34,8 @@ def test_unknown_app_args_are_rejected():
 @pytest.mark.parametrize("args, words", [({"reject_delay_s": -1}, "reject_delay"),
                                          ({"reject_delay_max_held": -1}, "reject_delay"),
                                          ({"low_priority_prefill_tokens": 0}, "low_priority_prefill_tokens"),
-                                         ({"cache_protect_s": -1}, "cache_protect_s")])
+                                         ({"cache_protect_s": -1}, "cache_protect_s"),
+                                         ({"import_hold_s": -1}, "import_hold_s")])
 def test_flood_knobs_are_checked_when_the_app_is_built(args, words):
     from cluster.app import AppSettings, pool_config
     from policies.tenancy import Tenants

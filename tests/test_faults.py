@@ -147,12 +147,12 @@ async def test_a_pull_is_joinable_while_its_plan_waits_for_a_busy_engine():
     visible to joiners only after its plan's engine call, which waits for the step in progress
     (seconds on a slow host). Now it is registered first: the second request waits for the pull,
     until the pull ends (here: planned, found no room, ended)."""
-    from actors.worker import Pull, Worker
+    from actors.worker import PULL_STATS, Pull, Worker
 
     w = Worker.__new__(Worker)  # the pull bookkeeping only: no engine, no Ray
     w.config = CFG
     w._pulling, w.router = [], None
-    w.pull_stats = {"joined": 0, "waited_for_room": 0, "skipped_no_room": 0}
+    w.pull_stats = dict.fromkeys(PULL_STATS, 0)
     w.pull_timeout_s, w.room_poll_s = 30.0, 0.01
     engine_busy = asyncio.Event()
 

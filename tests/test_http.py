@@ -69,6 +69,7 @@ def test_completion_reports_cached_tokens_on_repeat_and_kvmesh_object(server):
     assert first["placement"] == "place" and not first["routed_holders"]
     assert kv["placement"] == "match" and kv["routed_holders"][kv["worker"]] >= _cached(r2)
     assert first["planned_route"] == "recomputed" and kv["planned_route"] == "local"
+    assert first["pull_outcome"] is None and kv["pull_outcome"] is None  # no pulls
     assert kv["index_holders"] is None or set(kv["index_holders"]) <= {kv["worker"]}
     if kv["options"] is not None:  # the ranking it chose from (None: the router did not answer in time)
         assert kv["worker"] in kv["options"] and kv["options"][kv["worker"]]["kind"] == "local"

@@ -228,7 +228,7 @@ def test_router_pulls_to_idle_node_and_falls_back_on_failure(tiny_model):
         assert choice.worker_id == "wb" and choice.route == "pulled" and choice.pulls
         ray.get([w.attach_router.remote(router_actor) for w in (wa, wb)])
         outs = ray.get(wb.generate_all.remote(req, choice.pulls), timeout=60)
-        assert outs[-1].route == "pulled" and outs[-1].pulled_tokens == 64
+        assert outs[-1].route == "pulled" and outs[-1].pulled_tokens == 64 and outs[-1].pull_outcome == "landed"
         assert ids(outs) == reference(tiny_model, prompt)
         # the pull made the prefix hot (threshold 1): it was replicated ahead of demand to C
         wait_for(PREFIX, {"wa": 64, "wb": 64, "wc": 64})
@@ -242,7 +242,8 @@ def test_router_pulls_to_idle_node_and_falls_back_on_failure(tiny_model):
         req2 = Request("p2", prompt2, GREEDY, tenant="t1")
         pulls2 = (Pull(wa, ia["node_id"], 0, 4),)
         outs2 = ray.get(wb.generate_all.remote(req2, pulls2), timeout=60)
-        assert outs2[-1].route == "recomputed" and outs2[-1].pulled_tokens == 0
+        assert outs2[-1].route == "recomputed" and outs2[-1].pulled_tokens == 0 and outs2[-1].pull_outcome == "failed"
+        assert ray.get(wb.stats.remote())["pulls"]["failed"] == 1
         assert ids(outs2) == reference(tiny_model, prompt2)
 
         # light probes: B measures its link from A; the router learns it without counting pulls

@@ -68,6 +68,26 @@ def test_a_ranked_recompute_shows_the_pull_it_was_preferred_to():
     assert b.kind == "pulled" and b.pull_option_ttft_s is None
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_pull_to_a_busy_worker_transfers_while_the_request_waits_its_turn(overlap):
+    """The request is queued while its KV arrives (actors/worker.py): on a worker with a queue
+    the transfer costs only what it outlasts the wait. The holder A 30 s deep, B 10 s deep and
+    100 Mbit/s from A (~7.5 s for 2048 tokens): B pulls only when the transfer overlaps its wait."""
+    cm = CostModel(CostConfig(block_size=BS, bytes_per_token=BPT, pull_overlaps_wait=overlap))
+    cm.register("A", "n1")
+    cm.register("B", "n2")
+    teach_link(cm, "n1", "n2", 100e6 / 8)
+    cm.observe_load("A", WorkerLoad(extra_wait_s=30.0))
+    cm.observe_load("B", WorkerLoad(extra_wait_s=10.0))
+    b = {c.worker: c for c in cm.rank(2048, {"A": 2048})}["B"]
+    pull = min((c for c in cm.candidates(2048, {"A": 2048}) if c.worker == "B" and c.kind == "pulled"),
+               key=lambda c: c.expected_ttft_s)
+    assert pull.pull_s < pull.wait_s == 10.0
+    assert pull.expected_ttft_s == pytest.approx(pull.wait_s + pull.prefill_s + (0 if overlap else pull.pull_s))
+    assert pull.exposed_pull_s == pytest.approx(0 if overlap else pull.pull_s)
+    assert b.kind == ("pulled" if overlap else "recomputed")
+
+
 def test_low_bandwidth_routes_to_idle_holder():
     cm = model(("A", "n1"), ("B", "n2"))
     teach_link(cm, "n1", "n2", 100e6 / 8)
