@@ -62,7 +62,6 @@ log = logging.getLogger(__name__)
 
 CLOSE_WAIT_S = 10.0  # WorkerPool.close waits at most this long for its killed actors to be gone
 ROUTER_RESYNC_S = 30.0  # sync_router resends an unchanged worker set this often (a safety net)
-FIRST_PROBE_S = 2.0  # until the first round of link probes, the probe loop looks this often
 
 
 @dataclass(frozen=True)
@@ -380,20 +379,15 @@ class WorkerPool:
 
     async def _probe_loop(self) -> None:
         """Every ``probe_interval_s`` each ready worker probes the others on other nodes, so the
-        router knows links before the first pull over them (fire and forget). The first round
-        goes as soon as two nodes have ready workers (checked every ``FIRST_PROBE_S``): until a
-        link is measured, pulls are priced at the prior (a nominal 1 Gbit/s, 6-18x the rate small
-        hosts reached in the cluster bench, session 21) or the measured links' median."""
-        probed = False
+        router knows links before the first pull over them (fire and forget)."""
         while True:
-            await asyncio.sleep(self.config.probe_interval_s if probed else min(FIRST_PROBE_S, self.config.probe_interval_s))
+            await asyncio.sleep(self.config.probe_interval_s)
             ready = [w for w in self.workers.values() if w.routable]
             peers = [(w.info["node_id"], w.actor) for w in ready]
             if len({n for n, _ in peers}) < 2:
                 continue
             for w in ready:
                 w.actor.probe.remote([p for p in peers if p[0] != w.info["node_id"]])
-            probed = True
 
     async def _autoscale_loop(self) -> None:
         while True:

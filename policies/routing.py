@@ -35,7 +35,6 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Iterable, Literal, Mapping, Sequence
@@ -244,12 +243,7 @@ class LinkModel:
 
     A transfer of ``nbytes`` taking ``seconds`` gives a bandwidth sample
     ``nbytes / (seconds - rtt)`` (the RTT part is bounded to half the transfer so a bad RTT estimate
-    cannot produce absurd rates). An unmeasured direction borrows the reverse direction's estimate;
-    an unmeasured pair of nodes the median of the measured ones (``pooled``), and the prior only
-    while no pair between nodes is measured: what the hardware moves (on small hosts transfers
-    are CPU bound, 7-20 MB/s over 1 Gbit links in the cluster bench, session 21) says more about
-    a new link than a nominal line rate does, and a 6-18x optimistic prior priced a pull to a
-    crowded worker as a second where it took several.
+    cannot produce absurd rates). An unmeasured direction borrows the reverse direction's estimate.
     """
 
     def __init__(self, prior: LinkPrior | None = None):
@@ -288,18 +282,8 @@ class LinkModel:
         spb = self._spb.get((src, dst)) or self._spb.get((dst, src))
         rtt = self._rtt.get((src, dst)) or self._rtt.get((dst, src))
         p = self.prior
-        if spb:
-            bw = math.exp(-spb[0])
-        elif same:
-            bw = p.local_bandwidth_Bps
-        else:
-            bw = self.pooled_bandwidth_Bps()
+        bw = math.exp(-spb[0]) if spb else (p.local_bandwidth_Bps if same else p.bandwidth_Bps)
         return LinkEstimate(bw, rtt[0] if rtt else (p.local_rtt_s if same else p.rtt_s), spb[1] if spb else 0)
-
-    def pooled_bandwidth_Bps(self) -> float:
-        """The median bandwidth of the measured links between nodes (the prior when none is)."""
-        measured = [v[0] for (s, d), v in self._spb.items() if s != d]
-        return math.exp(-statistics.median(measured)) if measured else self.prior.bandwidth_Bps
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         keys = set(self._spb) | set(self._rtt)

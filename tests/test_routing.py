@@ -264,21 +264,6 @@ def test_link_ewma_converges_and_separates_rtt():
     assert links.estimate("x", "x").bandwidth_Bps == LinkPrior().local_bandwidth_Bps
 
 
-def test_an_unmeasured_link_is_priced_at_the_measured_links_median_not_the_prior():
-    """Session 21 (cluster bench): before any sample a pull was priced at a nominal 1 Gbit/s
-    where the hosts moved 7-20 MB/s, and a pull to a crowded worker looked like a second. An
-    unmeasured pair of nodes now takes the median of the measured ones; the prior only while
-    none is measured; same-node and measured links keep their own."""
-    links = LinkModel()
-    assert links.estimate("a", "b").bandwidth_Bps == LinkPrior().bandwidth_Bps
-    for src, dst, bps in (("a", "b", 8e6), ("a", "c", 12e6), ("b", "c", 30e6)):
-        links.observe_transfer(src, dst, 32 << 20, 1e-3 + (32 << 20) / bps)
-    new = links.estimate("c", "d")
-    assert new.samples == 0 and new.bandwidth_Bps == pytest.approx(12e6, rel=0.01)
-    assert links.estimate("a", "b").bandwidth_Bps == pytest.approx(8e6, rel=0.01)
-    assert links.estimate("d", "d").bandwidth_Bps == LinkPrior().local_bandwidth_Bps
-
-
 def test_link_ignores_garbage_samples():
     links = LinkModel()
     links.observe_transfer("x", "y", 1 << 20, 0.0)
@@ -436,38 +421,3 @@ def test_the_router_actor_learns_the_decode_term_from_routes_without_pulls_only(
     pooled = 0.2 * 82.5 / (82.5 + 16)  # slope 0.2 s per sequence, ridge-pulled toward 0 (pooled)
     assert r.estimates()["decode_s"]["A"] == pytest.approx((0.2 * 82.5 + 16 * pooled) / (82.5 + 16))
     assert r.metrics()["ttft_error"]["local"]["count"] == 11
-
-
-async def test_the_first_link_probes_go_once_two_nodes_are_ready_not_after_a_full_interval(monkeypatch):
-    """Until a link is measured the router prices pulls over it at the prior (or the measured
-    links' median): the pool's first probe round goes as soon as two nodes have ready workers,
-    then every ``probe_interval_s``."""
-    import asyncio
-    from types import SimpleNamespace
-
-    import cluster.pool as pool_mod
-
-    monkeypatch.setattr(pool_mod, "FIRST_PROBE_S", 0.01)
-    probes = []
-
-    def worker(wid, node):
-        probe = SimpleNamespace(remote=lambda peers: probes.append((wid, sorted(n for n, _ in peers))))
-        return SimpleNamespace(routable=True, info={"node_id": node}, actor=SimpleNamespace(probe=probe))
-
-    pool = pool_mod.WorkerPool.__new__(pool_mod.WorkerPool)
-    pool.config = SimpleNamespace(probe_interval_s=30.0)
-    pool.workers = {"a": worker("a", "n1")}
-    task = asyncio.create_task(pool._probe_loop())
-    try:
-        await asyncio.sleep(0.1)
-        assert probes == []  # one node: nothing to probe yet
-        pool.workers["b"] = worker("b", "n2")
-        for _ in range(100):
-            if len(probes) == 2:
-                break
-            await asyncio.sleep(0.01)
-        assert sorted(probes) == [("a", ["n2"]), ("b", ["n1"])]
-        await asyncio.sleep(0.1)
-        assert len(probes) == 2  # then every 30 s
-    finally:
-        task.cancel()
