@@ -78,10 +78,8 @@ class Worker:
         self.donor_stats = {"pulled": 0, "failed": 0, "skipped": 0}
         self.export_stats = {"calls": 0, "blocks": 0}  # export_prefix served to pulling peers
         self.fault_stats = {"exports_faulted": 0}  # exports the fault hooks slowed or altered
-        # pulled chunks refused (content != the holder's digest); requests that waited for a pull in progress
-        # pulls that waited for room in the pool, and that found none before their deadline
-        # pulls whose holder had the blocks no longer (evicted since the index showed them), and
-        # pulls that ran past their deadline or failed otherwise (their missing blocks recomputed)
+        # pulled chunks refused (content != the holder's digest); requests that waited for a pull in
+        # progress; pulls that waited for room; and the outcomes of pulls that did not land whole
         self.pull_stats = dict.fromkeys(PULL_STATS, 0)
         self.room_poll_s = 0.2  # a pull with no room yet asks again this often (``_pull_planned``)
         # prefixes this worker is pulling now: (domain, the prompt tokens the pull covers, set when it ends)
@@ -235,10 +233,10 @@ class Worker:
         span = max(p.end_block for p in pulls) * self.config.block_size
         entry = (request.domain, tuple(request.prompt_ids[:span]), asyncio.Event())
         self._pulling.append(entry)
-        # landing: the engine waits for pull_landed; outcomes: one per pull
-        expected = {"queued": queued, "landing": False, "outcomes": [] if outcomes is None else outcomes}
+        expected = {"landing": False}  # set on the engine thread: the engine waits for pull_landed
         try:  # import_hold_s 0: pulled KV is evictable as it lands, and a pull with no room is skipped
-            return await self._pull_planned(request, pulls, serving and self.config.import_hold_s > 0, expected)
+            return await self._pull_planned(request, pulls, serving and self.config.import_hold_s > 0, expected,
+                                            queued, [] if outcomes is None else outcomes)
         finally:
             self._pulling.remove(entry)
             entry[2].set()
@@ -250,8 +248,8 @@ class Worker:
             if queued is not None:
                 queued.set()
 
-    async def _pull_planned(self, request: Request, pulls: tuple[Pull, ...], serving: bool,
-                            expected: dict) -> tuple[int, int]:
+    async def _pull_planned(self, request: Request, pulls: tuple[Pull, ...], serving: bool, expected: dict,
+                            queued: asyncio.Event | None, outcomes: list[str]) -> tuple[int, int]:
         """``_pull`` once registered: the plan on the engine thread, then the pulls that fit.
 
         While no pull fits and the engine runs requests (whose blocks free up as they finish),
@@ -259,7 +257,7 @@ class Worker:
         the queue anyway, and started without its pull it computes the prefix again (the cluster
         bench, session 20: a planned pull skipped on a crowded worker ran as a 31 s recompute).
         The prefix held here and each landed chunk are held for the request until it is admitted,
-        and once a pull fits the request is queued while the chunks arrive (``expected``, see
+        and once a pull fits the request is queued while the chunks arrive (``queued``, see
         ``LLMEngine.expect_pull``, ``engine/import_holds.py``)."""
 
         def plan(e):
@@ -282,8 +280,8 @@ class Worker:
             chains, local, room, busy = await self.engine.call(plan)
         if waited:
             self.pull_stats["waited_for_room"] += 1
-        if expected["landing"] and expected["queued"] is not None:
-            expected["queued"].set()  # queued now: admitted once pull_landed
+        if expected["landing"] and queued is not None:
+            queued.set()  # queued now: admitted once pull_landed
         if not chains:
             return 0, 0
 
@@ -376,7 +374,7 @@ class Worker:
         def outcome(what: str, imported: int) -> int:
             if what in self.pull_stats:
                 self.pull_stats[what] += 1
-            expected["outcomes"].append(what)
+            outcomes.append(what)
             return imported
 
         imported = await asyncio.gather(*(one(p, fits) for p, fits in zip(pulls, room)))

@@ -624,7 +624,6 @@ def pull_log(cl: Cluster, limit: int = 40) -> dict:
             except OSError:
                 continue
     return {"failed": sum("failed after" in x for x in lines), "skipped": sum("skipped" in x for x in lines),
-            "holder_missing": sum("has them no longer" in x for x in lines),
             "replicated": sum("replicating" in x for x in lines), "lines": lines[-limit:]}
 
 

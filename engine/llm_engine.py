@@ -274,9 +274,7 @@ class LLMEngine:
     def has_work(self) -> bool:
         """Whether a step could do anything now: ``has_unfinished`` less requests that only
         wait for their pull to land (a loop with nothing else sleeps until a command comes)."""
-        sched = self.scheduler
-        return (bool(sched.running or self._shadow_jobs)
-                or any(s.request.request_id not in sched.paused for s in sched.waiting))
+        return bool(self.scheduler.running or self._shadow_jobs) or self.scheduler.has_admissible()
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -703,7 +701,7 @@ class LLMEngine:
         for seq in sched.running:
             self.holds.release(seq.request_id, used=True)
         self.holds.expire()
-        if not moved and not sched.running and any(s.request.request_id not in sched.paused for s in sched.waiting):
+        if not moved and not sched.running and sched.has_admissible():
             self.holds.release_all()
 
     def expect_pull(self, request_id: str, chains: dict[str, list[BlockHash]]) -> int:

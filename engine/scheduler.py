@@ -119,6 +119,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_admissible(self) -> bool:
+        """Waiting requests that may be admitted now (not ``paused`` for a pull)."""
+        return any(s.request.request_id not in self.paused for s in self.waiting)
+
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and release its blocks."""
         if seq in self.running:
