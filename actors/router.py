@@ -134,8 +134,9 @@ class Router:
     # -- questions --------------------------------------------------------------------------
     def rank(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
              workers: Sequence[WorkerId] | None = None,
-             pending: Mapping[WorkerId, int] | None = None) -> list[Candidate]:
-        return self.model.rank(prompt_tokens, holdings, workers, pending)
+             pending: Mapping[WorkerId, int] | None = None,
+             shared: Mapping[WorkerId, int] | None = None) -> list[Candidate]:
+        return self.model.rank(prompt_tokens, holdings, workers, pending, shared)
 
     def decide(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
                workers: Sequence[WorkerId] | None = None) -> RouteDecision | None:
@@ -149,6 +150,10 @@ class Router:
                 "prefill": {w: self.model.prefill_model(w).coefficients for w in self.model.nodes},
                 "wait_s": {w: self.model.wait_s(w) for w in self.model.nodes},
                 "decode_s": {w: self.model.decode_s(w) for w in self.model.nodes},
+                # the KV memory each worker's pool last published: its size and what requests hold
+                "kv": {w: {"tokens": ld.kv_tokens, "running": sum(n for n, _ in ld.kv_running),
+                           "waiting": sum(n for n, _, _ in ld.kv_waiting)}
+                       for w, ld in self.model.loads.items() if ld.kv_tokens},
                 "nodes": dict(self.model.nodes)}
 
     def metrics(self) -> dict:
@@ -287,9 +292,10 @@ class RouterClient:
 
     async def rank(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
                    workers: Sequence[WorkerId] | None = None,
-                   pending: Mapping[WorkerId, int] | None = None) -> list[Candidate] | None:
+                   pending: Mapping[WorkerId, int] | None = None,
+                   shared: Mapping[WorkerId, int] | None = None) -> list[Candidate] | None:
         return await self._ask("rank", prompt_tokens, dict(holdings), list(workers) if workers else None,
-                               dict(pending or {}))
+                               dict(pending or {}), dict(shared or {}))
 
     async def choose(self, prompt_tokens: int, holdings: Mapping[WorkerId, int], workers: Sequence[WorkerId],
                      load: Mapping[WorkerId, float]) -> RouteDecision | WorkerId | None:

@@ -322,6 +322,7 @@ def router_estimates(cl: "Cluster") -> dict | None:
         return None
     engines = {w["worker_id"]: w.get("engine") or {} for w in view.get("workers") or []}
     return {**(view.get("router") or {}),
+            "tpot_s": {w["worker_id"]: w.get("tpot_s") for w in view.get("workers") or []},
             "pulls": {w: e.get("pulls") for w, e in engines.items()},
             "holds": {w: e.get("import_holds") for w, e in engines.items()}}
 

@@ -103,6 +103,10 @@ class AppSettings:
     # (policies.routing.DecodeModel), so a busy holder's dominant group spills; false: it charges
     # nothing for decoding sequences (cluster/README, Placement, sessions 8 and 13)
     router_learn_decode: bool = True
+    # the router prices each worker's KV memory from the requests in flight there: a request that
+    # would wait for room in a full pool is priced with that wait (policies.routing.kv_admission_s,
+    # cluster/README, session 22); false: the queue's compute only (before session 22)
+    router_kv_memory: bool = True
     # a hot prefix group (more than its holders' share of the traffic) spills from a busy holder to
     # an idle worker with room for it, at a transfer or one prefill for that request
     # (PlacementConfig.idle_slack, cluster/README, Placement, session 16); false: only when faster
@@ -179,7 +183,8 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
     return PoolConfig(engine=engine, autoscale=s.autoscale(), shares=tuple(sorted(tenants.worker_shares().items())),
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,
                       auto_device=s.device is None, auto_dtype=s.dtype is None, ready_timeout_s=s.ready_timeout_s,
-                      app=app, router_learn_decode=s.router_learn_decode, router_idle_spill=s.router_idle_spill,
+                      app=app, router_learn_decode=s.router_learn_decode, router_kv_memory=s.router_kv_memory,
+                      router_idle_spill=s.router_idle_spill,
                       router_spill_needs_share=s.router_spill_needs_share, router_balance_ratio=s.router_balance_ratio,
                       router_place_tie=s.router_place_tie)
 

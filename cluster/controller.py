@@ -323,11 +323,13 @@ class Controller:
         if lease_id in self._open:
             self.pool.mark_started(lease_id, route, ttft_s, prefill=prefill)
 
-    def end(self, lease_id: str, finished: bool, worker_dead: bool = False) -> None:
-        """The replica's stream ended (idempotent; a reclaimed lease is already ended)."""
-        self._end(lease_id, worker_dead=worker_dead)
+    def end(self, lease_id: str, finished: bool, worker_dead: bool = False, output_tokens: int | None = None) -> None:
+        """The replica's stream ended (idempotent; a reclaimed lease is already ended) after
+        ``output_tokens`` (None: unknown)."""
+        self._end(lease_id, worker_dead=worker_dead, output_tokens=output_tokens)
 
-    def _end(self, lease_id: str, worker_dead: bool = False, abort: bool = False) -> None:
+    def _end(self, lease_id: str, worker_dead: bool = False, abort: bool = False,
+             output_tokens: int | None = None) -> None:
         o = self._open.pop(lease_id, None)
         if o is None:
             return
@@ -339,7 +341,7 @@ class Controller:
                 o.actor.abort.remote(lease_id)  # fire and forget: frees the request's blocks
             except Exception:  # noqa: BLE001 - worker gone
                 pass
-        self.pool.release(lease_id, worker_dead=worker_dead)
+        self.pool.release(lease_id, worker_dead=worker_dead, output_tokens=output_tokens)
         self.admission.release(o.tenant)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -613,17 +615,16 @@ class ControllerClient:
             raise
         finally:
             self.local.released(ticket)  # before end(): this replica never counts more than the controller
-            self._progress.pop(lid, None)
-            await self._end(lid, finished, dead)
+            await self._end(lid, finished, dead, self._progress.pop(lid, None))
 
-    async def _end(self, lease_id: str, finished: bool, dead: bool) -> None:
-        """End a lease. A finished stream waits for the controller to record it (one round trip
+    async def _end(self, lease_id: str, finished: bool, dead: bool, output_tokens: int | None = None) -> None:
+        """End a lease (after ``output_tokens``). A finished stream waits for the controller to record it (one round trip
         after the last token, never before the first): the client may send its next request to
         another ingress replica at once, and that replica's ``begin`` must not find this lease
         still open (a spurious 429 at exactly ``max_concurrent``). A stream that failed or was
         abandoned ends fire-and-forget: its client is gone or gets an error anyway."""
         try:
-            ref = self.handle.end.remote(lease_id, finished, dead)
+            ref = self.handle.end.remote(lease_id, finished, dead, output_tokens)
             if finished:
                 await asyncio.wait_for(_aref(ref), self.call_timeout_s)
         except asyncio.CancelledError:

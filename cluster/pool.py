@@ -50,7 +50,7 @@ import ray
 
 from actors.worker import worker_actor_class
 from cluster.routing import ROUTE_TIMEOUT_S, ROUTER_FLUSH_S, CostAwareRouter
-from cluster.types import (LeastLoadedRouter, RouteChoice, Router, WorkerDied, WorkerState,  # noqa: F401 - re-exported
+from cluster.types import (InFlight, LeastLoadedRouter, RouteChoice, Router, WorkerDied, WorkerState,  # noqa: F401 - re-exported
                            WorkerUnavailable)
 from engine.async_engine import EngineDead
 from engine.llm_engine import EngineConfig
@@ -60,6 +60,7 @@ from policies.placement import PlacementConfig
 
 log = logging.getLogger(__name__)
 
+LIFETIME_ALPHA = 0.2  # EWMA weight of one ended request in a worker's tpot_s / output_tokens
 CLOSE_WAIT_S = 10.0  # WorkerPool.close waits at most this long for its killed actors to be gone
 ROUTER_RESYNC_S = 30.0  # sync_router resends an unchanged worker set this often (a safety net)
 
@@ -83,6 +84,9 @@ class PoolConfig:
     # least-loaded routing and no index/router actors.
     cost_aware_routing: bool = True
     router_learn_decode: bool = True  # CostConfig.learn_decode of the router actor this pool creates
+    # the router prices each worker's KV memory: a request waits for room in a full pool
+    # (policies.routing.kv_use / kv_admission_s, CostAwareRouter.kv_memory); False: queue compute only
+    router_kv_memory: bool = True
     router_idle_spill: bool = True  # False: PlacementConfig.idle_slack = 0 (a hot group never spills to an idle worker)
     # False: PlacementConfig.spill_share_margin = None (any group dominant on its holder spills, without
     # its holders' worth of the cluster's traffic)
@@ -137,7 +141,8 @@ class _Flight:
     started: bool = False
     route: str = "local"  # planned route (reported with the measured TTFT)
     expected_ttft_s: float | None = None
-    running_at_route: int = 0  # sequences decoding on the chosen worker when it was chosen
+    running_at_route: int = 0  # sequences decoding on the chosen worker when it was chosen (-1: do not
+    # learn the decode term from it: its expected TTFT was the KV pool's wait, ``RouteChoice.memory_bound``)
     decode_wait_s: float = 0.0  # the part of expected_ttft_s the router charged for them
 
     @property
@@ -272,7 +277,7 @@ class WorkerPool:
         if not isinstance(self.router, CostAwareRouter):
             self.router = CostAwareRouter(ws.info["model_id"], ws.info["block_size"], self._index,
                                           self._router_client, self.workers.get, timeout_s=ROUTE_TIMEOUT_S,
-                                          placement=self.config.placement())
+                                          placement=self.config.placement(), kv_memory=self.config.router_kv_memory)
 
     async def check_health(self) -> list[str]:
         """Ask every ready worker for its health; retire (and replace) those whose engine died.
@@ -562,10 +567,12 @@ class WorkerPool:
             self._flights.pop(rid, None)
             raise
         flight.worker_id, flight.route, flight.expected_ttft_s = ws.worker_id, choice.route, choice.expected_ttft_s
-        flight.running_at_route, flight.decode_wait_s = ws.running, choice.decode_wait_s
+        flight.running_at_route = -1 if choice.memory_bound else ws.running
+        flight.decode_wait_s = choice.decode_wait_s
         ws.inflight += 1
         ws.inflight_tokens += flight.cost
         ws.queued[rid] = max(0, flight.prompt_tokens - choice.cached_tokens)
+        ws.flights[rid] = InFlight(flight.prompt_tokens, flight.max_tokens, choice.cached_tokens, choice.blocks)
         self.routed[ws.worker_id] += 1
         self.decisions[choice.route] += 1
         return ws, choice
@@ -589,6 +596,8 @@ class WorkerPool:
             ws = self.workers.get(f.worker_id)
             if ws is not None and ws.queued.pop(request_id, None) is not None:
                 ws.running += 1
+            if ws is not None and request_id in ws.flights:
+                ws.flights[request_id].started_at = time.monotonic()
         f.started = True
         f.output_tokens = max(f.output_tokens, output_tokens)
 
@@ -598,12 +607,22 @@ class WorkerPool:
         if f is not None:
             f.output_tokens = max(f.output_tokens, output_tokens)
 
-    def release(self, request_id: str, worker_dead: bool = False) -> None:
-        """End an ``acquire``d request (idempotent). ``worker_dead``: its worker died mid-stream."""
+    def release(self, request_id: str, worker_dead: bool = False, output_tokens: int | None = None) -> None:
+        """End an ``acquire``d request (idempotent). ``worker_dead``: its worker died mid-stream;
+        ``output_tokens``: what it produced (default: the last progress reported). A request with
+        two or more output tokens teaches the worker's seconds per output token and output size
+        (``WorkerState.tpot_s``, ``output_tokens``: the router's KV memory signal)."""
         f = self._flights.pop(request_id, None)
         ws = self.workers.get(f.worker_id) if f is not None and f.worker_id else None
         if ws is None:
             return
+        kv = ws.flights.pop(request_id, None)
+        out = max(f.output_tokens, output_tokens or 0)
+        if kv is not None and kv.started_at is not None and out >= 2 and not worker_dead:
+            a = LIFETIME_ALPHA
+            tpot = (time.monotonic() - kv.started_at) / (out - 1)
+            ws.tpot_s = tpot if ws.tpot_s is None else (1 - a) * ws.tpot_s + a * tpot
+            ws.output_tokens = out if ws.output_tokens is None else (1 - a) * ws.output_tokens + a * out
         ws.inflight -= 1
         ws.inflight_tokens -= f.cost
         if ws.queued.pop(request_id, None) is None and f.started:
@@ -648,7 +667,8 @@ class WorkerPool:
 
         engines = await asyncio.gather(*(one(w) for w in workers))
         return [{"worker_id": w.worker_id, "tenant": w.tenant, "ready": w.info is not None, "draining": w.draining,
-                 "inflight": w.inflight, "engine": s} for w, s in zip(workers, engines)]
+                 "inflight": w.inflight, "tpot_s": w.tpot_s, "output_tokens": w.output_tokens, "engine": s}
+                for w, s in zip(workers, engines)]
 
     async def router_metrics(self, timeout_s: float = 2.0) -> dict:
         """Routing counts for ``/metrics``: decisions by planned route, placements by rule and

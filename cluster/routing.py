@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import replace
 from typing import Callable, Sequence
@@ -36,7 +37,7 @@ from cluster.types import LeastLoadedRouter, RouteChoice, WorkerState
 from engine.sequence import Request
 from policies.placement import PlacementConfig, Placer
 from policies.replication import ReplicationConfig, ReplicationPolicy
-from policies.routing import WorkerLoad, pull_deadline_s
+from policies.routing import KvFlight, WorkerLoad, kv_use, pull_deadline_s
 
 log = logging.getLogger(__name__)
 
@@ -53,20 +54,24 @@ ROUTER_FLUSH_S = 5.0
 
 
 def options_of(ranking) -> dict | None:
-    """Per ranked worker: its best option's kind and expected TTFT, and its best pull's TTFT
-    where a pull was possible but ranked below (None: no ranking, the router did not answer)."""
+    """Per ranked worker: its best option's kind and expected TTFT, its best pull's TTFT where a
+    pull was possible but ranked below, and when it would find room in the worker's KV pool where
+    that is later than now (None: no ranking, the router did not answer)."""
     if not ranking:
         return None
     return {c.worker: {"kind": c.kind, "ttft_s": round(c.expected_ttft_s, 3),
-                       **({"pull_ttft_s": round(c.pull_option_ttft_s, 3)} if c.pull_option_ttft_s is not None else {})}
+                       **({"pull_ttft_s": round(c.pull_option_ttft_s, 3)} if c.pull_option_ttft_s is not None else {}),
+                       **({"kv_wait_s": round(c.kv_wait_s, 3)} if c.kv_wait_s > 0 else {})}
             for c in ranking}
 
 
 class CostAwareRouter:
     def __init__(self, model_id: str, block_size: int, index=None, client: RouterClient | None = None,
                  worker_lookup: Callable[[str], WorkerState | None] | None = None, timeout_s: float = 0.05,
-                 replication: ReplicationConfig | None = None, placement: PlacementConfig | None = None):
+                 replication: ReplicationConfig | None = None, placement: PlacementConfig | None = None,
+                 kv_memory: bool = True):
         self.model_id = model_id
+        self.kv_memory = kv_memory  # publish each worker's KV memory (``_publish_loads``)
         self.block_size = block_size
         self.index = index
         self.client = client or RouterClient(timeout_s=timeout_s)
@@ -136,8 +141,9 @@ class CostAwareRouter:
         prompt = len(request.prompt_ids)
         holdings = found or {}  # ``found`` None (timed out) must not purge the shadow caches: passed as is
         pending = self.placer.pending_tokens(chains, found, workers, prompt, self.block_size, time.monotonic())
-        self._publish_loads(candidates)
-        ranking = await self.client.rank(prompt, holdings, workers, pending)
+        blocks = tuple(chains.get(request.domain) or ())
+        shared = self._publish_loads(candidates, blocks)
+        ranking = await self.client.rank(prompt, holdings, workers, pending, shared)
         # decided after the await, so requests routed meanwhile are in the shadow caches already
         loads = {w.worker_id: float(sum(w.queued.values())) for w in candidates}
         placed = self.placer.decide(request.prompt_ids, request.params.max_tokens, self.block_size, chains,
@@ -146,12 +152,12 @@ class CostAwareRouter:
                                     running={w.worker_id: w.running for w in candidates})
         if placed is None:
             choice = await self.fallback.choose(request, candidates)
-            return replace(choice, index_holders=found) if chains else choice
+            return replace(choice, index_holders=found, blocks=blocks) if chains else choice
         choice = self._route_choice(request, candidates, holdings, chains, placed)
         self.client.report("report_decision", choice.route)
         # what it saw: the index's answer (None: none in time), the router's own record, the ranking
-        return replace(choice, index_holders=found, routed_holders=pending,
-                       options=options_of(ranking)) if chains else choice
+        return replace(choice, index_holders=found, routed_holders=pending, options=options_of(ranking),
+                       blocks=blocks) if chains else choice
 
     def _route_choice(self, request: Request, candidates: Sequence[WorkerState], holdings: dict[str, int],
                       chains: dict[str, list[bytes]], placed) -> RouteChoice:
@@ -175,7 +181,7 @@ class CostAwareRouter:
             self._replicate(request, chains, pulls, chosen.worker, holdings, candidates)
         return RouteChoice(chosen.worker, chosen.kind, tuple(pulls), chosen.expected_ttft_s,
                            cached_tokens=chosen.cached_tokens, placement=placed.kind,
-                           decode_wait_s=chosen.decode_wait_s)
+                           decode_wait_s=chosen.decode_wait_s, memory_bound=chosen.memory_bound)
 
     def _replicate(self, request: Request, chains, pulls: list[Pull], target: str, holdings, candidates) -> None:
         """Count the pull; if the prefix is hot, copy it ahead of demand (fire and forget)."""
@@ -197,12 +203,34 @@ class CostAwareRouter:
         """Resend every load with the next ranking (the router actor restarted empty)."""
         self._published.clear()
 
-    def _publish_loads(self, candidates: Sequence[WorkerState]) -> None:
+    def _publish_loads(self, candidates: Sequence[WorkerState], blocks: tuple = ()) -> dict[str, int]:
         """Each candidate's queue for the cost model: the prompt tokens each routed request
         without a first token is expected to compute (its cached prefix excluded), and how many
-        are past their first token."""
+        are past their first token; and, once the worker's pool size and (its own, else the
+        candidates' mean) seconds per output token are known, its KV memory (``kv_use``: what the
+        requests in flight there hold and when they end; each one's output taken as its
+        max_tokens, but at most twice what requests ending there produced, at least 16). Returns
+        per worker the prompt tokens of ``blocks`` (a prompt's chain hashes) held there already."""
+        now = time.monotonic()
+        tpots = [w.tpot_s for w in candidates if w.tpot_s]
+        pooled = sum(tpots) / len(tpots) if tpots else None
+        shared: dict[str, int] = {}
         for w in candidates:
-            load = WorkerLoad(waiting_tokens=tuple(n for n in w.queued.values() if n), running=w.running)
+            kv: dict = {}
+            tpot, num_blocks = w.tpot_s or pooled, (w.info or {}).get("num_blocks")
+            if tpot and num_blocks and self.kv_memory:
+                cap = max(16, math.ceil(2 * w.output_tokens)) if w.output_tokens else None
+                flights = [KvFlight(f.prompt_tokens, f.cached_tokens, f.blocks,
+                                    f.max_tokens if cap is None else min(f.max_tokens, cap),
+                                    None if f.started_at is None else now - f.started_at)
+                           for f in w.flights.values()]
+                running, waiting, held = kv_use(flights, tpot, self.block_size)
+                kv = dict(kv_tokens=num_blocks * self.block_size, kv_running=running, kv_waiting=waiting)
+                hit = sum(1 for b in blocks if b in held)
+                if hit:
+                    shared[w.worker_id] = hit * self.block_size
+            load = WorkerLoad(waiting_tokens=tuple(n for n in w.queued.values() if n), running=w.running, **kv)
             if self._published.get(w.worker_id) != load:
                 self._published[w.worker_id] = load
                 self.client.report("report_load", w.worker_id, load)
+        return shared

@@ -24,6 +24,18 @@ class WorkerDied(WorkerUnavailable):
     """The worker serving a stream died (its actor is gone)."""
 
 
+@dataclass
+class InFlight:
+    """A request the pool routed to a worker, as the router's KV memory signal sees it
+    (``policies.routing.kv_use``)."""
+
+    prompt_tokens: int
+    max_tokens: int
+    cached_tokens: int  # the router expected these reused there (local + pulled)
+    blocks: tuple = ()  # its prompt's block hashes (``RouteChoice.blocks``)
+    started_at: float | None = None  # monotonic time its first token was reported
+
+
 @dataclass(eq=False)
 class WorkerState:
     worker_id: str
@@ -38,6 +50,11 @@ class WorkerState:
     # computed (not cached); and requests past their first token (the router's load signal)
     queued: dict[str, int] = field(default_factory=dict)
     running: int = 0
+    # every request in flight here (routing order) for the KV memory signal, and what requests
+    # that ended here measured: seconds per output token and output tokens (EWMAs; None: none yet)
+    flights: dict[str, InFlight] = field(default_factory=dict)
+    tpot_s: float | None = None
+    output_tokens: float | None = None
 
     @property
     def routable(self) -> bool:
@@ -62,6 +79,8 @@ class RouteChoice:
     # the cost model's ranking it chose from: per worker, its best option's kind and expected TTFT
     # (and, where a pull was possible but ranked below, that pull's) (``options_of``)
     options: dict | None = None
+    blocks: tuple = ()  # the prompt's full blocks' chain hashes in its domain (the KV it shares with others)
+    memory_bound: bool = False  # expected_ttft_s waits for room in the worker's KV pool
 
 
 class Router(Protocol):

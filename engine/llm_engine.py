@@ -392,8 +392,12 @@ class LLMEngine:
         waiting: dict[str, int] = {}
         for seq in self.scheduler.waiting:
             waiting[seq.request.tenant] = waiting.get(seq.request.tenant, 0) + 1
-        self.trace.write({"ev": "step", "t": round(wall0, 4), "dt": round(dt, 4), "tok": tok, "rows": rows,
-                          "interrupted": interrupted, "waiting": waiting})
+        rec = {"ev": "step", "t": round(wall0, 4), "dt": round(dt, 4), "tok": tok, "rows": rows,
+               "interrupted": interrupted, "waiting": waiting}
+        if waiting:  # why the waiting ones were not admitted (Scheduler.held_back), and the pool's room
+            rec["held"] = self.scheduler.held_back()
+            rec["free_blocks"] = self.pool.num_free_blocks()
+        self.trace.write(rec)
 
     def _interrupt_check(self, scheduled: list[tuple[Sequence, int]]):
         """The between-layers check for this step's forward, or None when it may not be interrupted

@@ -110,6 +110,7 @@ class Scheduler:
         # while waiting, their place in the queue kept
         self.paused: Container[str] = frozenset()
         self._bypassed: dict[Sequence, int] = {}  # waiting sequence -> times it was passed over
+        self._no_room: set[Sequence] = set()  # passed over by the last schedule: its blocks were not free
         self._low_ran = False  # the last step carried throttled (lower-class) prefill tokens
         self._alone_last = False  # the last step was a guarded class's alone (guarded_steps_alone)
 
@@ -122,6 +123,17 @@ class Scheduler:
     def has_admissible(self) -> bool:
         """Waiting requests that may be admitted now (not ``paused`` for a pull)."""
         return any(s.request.request_id not in self.paused for s in self.waiting)
+
+    def held_back(self) -> dict[str, int]:
+        """Waiting requests by why the last schedule did not admit them: ``pull`` (KV landing),
+        ``join`` (taking a running prefill's blocks), ``room`` (blocks not free), ``other``
+        (budget, sequence limit or priority share spent)."""
+        out: dict[str, int] = {}
+        for s in self.waiting:
+            why = ("pull" if s.request.request_id in self.paused else "join" if s in self._joining
+                   else "room" if s in self._no_room else "other")
+            out[why] = out.get(why, 0) + 1
+        return out
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and release its blocks."""
@@ -223,6 +235,7 @@ class Scheduler:
                 n = min(n, max(1, budget - reserve))
             if self.kv.blocks_needed(seq, len(hit) * self.kv.block_size + n, hit) > self.kv.pool.num_free_blocks():
                 if self._bypassed.get(seq, 0) >= cfg.max_bypass:
+                    passed.append(seq)  # (for held_back: no room)
                     break  # passed over often enough: it goes next, nothing behind it goes first
                 passed.append(seq)
                 continue
@@ -245,6 +258,7 @@ class Scheduler:
             if cfg.join_inflight_prefill:
                 self._add_inflight(seq, prio[id(seq)], inflight)
         self._low_ran = low_left < low_share
+        self._no_room = set(passed)
         return out
 
     def _add_inflight(self, seq: Sequence, priority: int, inflight: dict) -> None:

@@ -23,7 +23,9 @@ Estimates are learned online:
     ``jump_alpha`` for samples off by ``jump_factor`` or more (a re-shaped link, not noise),
     from real transfers, and EWMA of RTT from small transfers / probes.
   * queue wait: from each worker's published ``WorkerLoad``: its prompts' predicted prefills,
-    plus, per sequence decoding there, a wait learned from measured TTFTs (``DecodeModel``).
+    plus, per sequence decoding there, a wait learned from measured TTFTs (``DecodeModel``); and,
+    where it publishes its KV memory, not less than when the request would find room in it
+    (``kv_admission_s``): an engine whose pool is full admits nothing until running requests end.
 
 Invariants: predictions are finite and >= 0; prefill predictions never decrease with more new
 tokens; a decision never pulls a block that no live holder has, and never more than the prompt
@@ -32,6 +34,7 @@ minus its last token (the last token is always computed to produce logits).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import random
@@ -302,6 +305,81 @@ class WorkerLoad:
     waiting_tokens: tuple[int, ...] = ()
     running: int = 0
     extra_wait_s: float = 0.0
+    # KV memory, in tokens (``kv_use``): the engine's pool (0: unknown, no memory term); per
+    # running request (tokens it holds, seconds until it ends); per waiting one, in routing order
+    # (tokens it will hold when admitted, prompt tokens it computes, seconds it decodes after)
+    kv_tokens: int = 0
+    kv_running: tuple[tuple[int, float], ...] = ()
+    kv_waiting: tuple[tuple[int, int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class KvFlight:
+    """A request in flight on a worker, as the memory signal sees it (``kv_use``)."""
+
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens expected reused there (local + pulled): not computed
+    blocks: tuple = ()  # its prompt's full blocks' chain hashes (requests sharing a block share its KV)
+    output_tokens: int = 0  # output it is expected to produce (max_tokens, capped by what requests there produce)
+    running_s: float | None = None  # seconds since its first token; None: waiting for it
+
+
+def kv_use(flights: Iterable[KvFlight], tpot_s: float, block_size: int) -> tuple[tuple, tuple, set]:
+    """``(kv_running, kv_waiting, held)`` of ``WorkerLoad`` from the requests in flight on a
+    worker (waiting ones in routing order) and ``tpot_s`` there (seconds per output token). A
+    prompt block several requests share is counted once (chain hashes: the same hash is the same
+    KV), for the first request that holds it: running ones first, then waiting ones in order. A
+    running request holds its prompt and the output produced so far (``running_s / tpot_s``)
+    and ends after the rest of its expected output (one past that end: a quarter of it more); a
+    waiting one will hold its prompt and one token. Sizes are whole blocks, in tokens (a 40-token suffix and 16 output tokens take 4
+    blocks: 64 tokens). ``held``: every block hash counted (a new request needs no room for these)."""
+    running, waiting, held = [], [], set()
+    tpot = max(tpot_s, 1e-6)
+    flights = sorted(flights, key=lambda f: f.running_s is None)  # stable: routing order within each
+    for f in flights:
+        shared = sum(1 for b in f.blocks if b in held)
+        held.update(f.blocks)
+        if f.running_s is None:
+            own = kv_blocks(f.prompt_tokens + 1, block_size) - shared
+            waiting.append((own * block_size, max(0, f.prompt_tokens - f.cached_tokens),
+                            round(f.output_tokens * tpot, 2)))
+        else:
+            produced = min(f.output_tokens, int(max(0.0, f.running_s) / tpot) + 1)
+            own = kv_blocks(f.prompt_tokens + produced, block_size) - shared
+            # still running past its expected end: its steps were longer than the worker's recent
+            # average (prefills of requests admitted meanwhile share them); it holds its blocks for
+            # a quarter of its expected life more (at least a step), not "ends now"
+            left = max(f.output_tokens * tpot - f.running_s, tpot * max(1, f.output_tokens // 4))
+            running.append((own * block_size, round(left, 2)))
+    return tuple(running), tuple(waiting), held
+
+
+def kv_blocks(tokens: int, block_size: int) -> int:
+    """Blocks ``tokens`` tokens of KV take (the pool allocates whole blocks)."""
+    return -(-max(0, tokens) // block_size)
+
+
+def kv_admission_s(capacity: int, running: Sequence[tuple[int, float]], waiting: Sequence[tuple[int, float]],
+                   need: int) -> float:
+    """Seconds until a new request needing ``need`` tokens of KV is admitted to an engine whose
+    pool holds ``capacity`` tokens: ``running`` requests hold (tokens, seconds until they end);
+    ``waiting`` ones, first come first served, need (tokens, seconds they run once admitted).
+    Each is admitted as soon as what it needs is free, and the new one last. A request larger
+    than the pool is admitted alone (the engine refuses what could never fit). 0 with no pool."""
+    if capacity <= 0:
+        return 0.0
+    ends = [(max(0.0, t), n) for n, t in running]
+    heapq.heapify(ends)
+    used = sum(n for n, _ in running)
+    t = 0.0
+    for n, life in (*waiting, (need, 0.0)):
+        n = min(n, capacity)
+        while used + n > capacity and ends:
+            end, k = heapq.heappop(ends)
+            t, used = max(t, end), used - k
+        used += n
+        heapq.heappush(ends, (t + max(0.0, life), n))
+    return t
 
 
 @dataclass(frozen=True)
@@ -333,6 +411,9 @@ class Candidate:
     pulled_tokens: int
     pulls: tuple[PullRange, ...] = ()
     decode_wait_s: float = 0.0  # the part of ``wait_s`` charged for sequences decoding on ``worker``
+    # when the request would find room in the worker's KV pool (``kv_admission_s``; 0: room now or
+    # unknown); ``wait_s`` is at least this
+    kv_wait_s: float = 0.0
     # in a ranking (best per worker): the expected TTFT of this worker's best pull, where a pull
     # was possible but ranked below this option (why a holder in the index was not pulled from)
     pull_option_ttft_s: float | None = None
@@ -344,6 +425,11 @@ class Candidate:
     @property
     def cached_tokens(self) -> int:
         return self.local_tokens + self.pulled_tokens
+
+    @property
+    def memory_bound(self) -> bool:
+        """The wait is the KV pool's (room for the request), not the queue's compute."""
+        return self.kv_wait_s > 0 and self.kv_wait_s >= self.wait_s
 
 
 @dataclass(frozen=True)
@@ -456,15 +542,22 @@ class CostModel:
     def prefill_s(self, worker: WorkerId, new_tokens: int, cached_tokens: int = 0) -> float:
         return self.prefill_model(worker).predict(new_tokens, cached_tokens)
 
-    def wait_s(self, worker: WorkerId) -> float:
-        return self._wait_parts(worker)[0]
+    def wait_s(self, worker: WorkerId, kv_need: int | None = None) -> float:
+        return self._wait_parts(worker, kv_need)[0]
 
-    def _wait_parts(self, worker: WorkerId) -> tuple[float, float]:
-        """(the worker's expected wait, the part of it charged for its decoding sequences)."""
+    def _wait_parts(self, worker: WorkerId, kv_need: int | None = None) -> tuple[float, float, float]:
+        """(the worker's expected wait, the part of it charged for its decoding sequences, when a
+        request needing ``kv_need`` tokens of KV would find room there). The wait is the queue's
+        compute (its prompts' prefills and the decode term), but not less than the room's."""
         load = self.loads.get(worker, WorkerLoad())
         model = self.prefill_model(worker)
         decode = load.running * self.decode_s(worker)
-        return load.extra_wait_s + sum(model.predict(n) for n in load.waiting_tokens) + decode, decode
+        wait = load.extra_wait_s + sum(model.predict(n) for n in load.waiting_tokens) + decode
+        kv = 0.0
+        if kv_need is not None and load.kv_tokens > 0:
+            queue = [(n, model.predict(p) + d) for n, p, d in load.kv_waiting]
+            kv = kv_admission_s(load.kv_tokens, load.kv_running, queue, kv_need)
+        return max(wait, kv), decode, kv
 
     def usable_tokens(self, prompt_tokens: int, held: int) -> int:
         """Held prefix usable for a prompt: whole blocks, never the prompt's last token."""
@@ -517,22 +610,25 @@ class CostModel:
     # -- ranking ----------------------------------------------------------------------------
     def candidates(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
                    workers: Iterable[WorkerId] | None = None,
-                   pending: Mapping[WorkerId, int] | None = None) -> list[Candidate]:
+                   pending: Mapping[WorkerId, int] | None = None,
+                   shared: Mapping[WorkerId, int] | None = None) -> list[Candidate]:
         """Every option on every worker: its own prefix only, or pulls up to each deeper level.
         ``pending``: prefix tokens a worker is computing for a request routed there but not yet
-        indexed; they count as its own (local) prefix, never as a pull source."""
+        indexed; they count as its own (local) prefix, never as a pull source. ``shared``: prompt
+        tokens that requests in flight on a worker hold already (``kv_use``): the request needs KV
+        room for the rest of its prompt (a prefix only cached there is room it takes)."""
         bs = self.config.block_size
         targets = list(workers) if workers is not None else list(self.nodes)
         held_blocks = {h: self.usable_tokens(prompt_tokens, t) // bs for h, t in holdings.items()}
         levels = sorted(set(held_blocks.values()))
-        pending = pending or {}
+        pending, shared = pending or {}, shared or {}
         out: list[Candidate] = []
         for w in targets:
-            wait, dec = self._wait_parts(w)
             own = max(held_blocks.get(w, 0), self.usable_tokens(prompt_tokens, pending.get(w, 0)) // bs) * bs
+            wait, dec, kv = self._wait_parts(w, kv_blocks(prompt_tokens + 1, bs) * bs - shared.get(w, 0))
             pre = self.prefill_s(w, prompt_tokens - own, own)
             out.append(Candidate(w, "local" if own else "recomputed", wait + pre, wait, pre, 0.0, own, 0,
-                                 decode_wait_s=dec))
+                                 decode_wait_s=dec, kv_wait_s=kv))
             for level in levels:
                 if level * bs <= own:
                     continue
@@ -544,17 +640,18 @@ class CostModel:
                 pre = self.prefill_s(w, prompt_tokens - cached, cached)
                 queued = max(wait, pull_s) if self.config.pull_overlaps_wait else wait + pull_s
                 out.append(Candidate(w, "pulled", queued + pre, wait, pre, pull_s, own,
-                                     cached - own, ranges, dec))
+                                     cached - own, ranges, dec, kv))
         return out
 
     def rank(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
              workers: Iterable[WorkerId] | None = None,
-             pending: Mapping[WorkerId, int] | None = None) -> list[Candidate]:
+             pending: Mapping[WorkerId, int] | None = None,
+             shared: Mapping[WorkerId, int] | None = None) -> list[Candidate]:
         """Best candidate per worker, ascending expected TTFT (ties: fewer pulled tokens, id); one
         that is not a pull carries its worker's best pull's TTFT where there was one."""
         best: dict[WorkerId, Candidate] = {}
         pulls: dict[WorkerId, Candidate] = {}
-        for c in self.candidates(prompt_tokens, holdings, workers, pending):
+        for c in self.candidates(prompt_tokens, holdings, workers, pending, shared):
             for top in (best, pulls) if c.kind == "pulled" else (best,):
                 cur = top.get(c.worker)
                 if cur is None or _order(c) < _order(cur):

@@ -62,6 +62,8 @@ def test_the_routers_decode_learning_is_an_app_argument_that_reaches_the_pool():
     tenants = Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})
     assert pool_config(AppSettings.from_args({}), tenants).router_learn_decode is True
     assert pool_config(AppSettings.from_args({"router_learn_decode": False}), tenants).router_learn_decode is False
+    assert pool_config(AppSettings.from_args({}), tenants).router_kv_memory is True
+    assert pool_config(AppSettings.from_args({"router_kv_memory": False}), tenants).router_kv_memory is False
 
 
 def test_the_idle_spill_of_hot_groups_is_an_app_argument_that_reaches_the_router():

@@ -555,8 +555,8 @@ class _FakeClient:
     def __init__(self, cm):
         self.cm, self.reports = cm, []
 
-    async def rank(self, prompt_tokens, holdings, workers, pending=None):
-        return self.cm.rank(prompt_tokens, holdings, workers, pending)
+    async def rank(self, prompt_tokens, holdings, workers, pending=None, shared=None):
+        return self.cm.rank(prompt_tokens, holdings, workers, pending, shared)
 
     def report(self, *args):
         self.reports.append(args)
@@ -760,3 +760,68 @@ def test_the_placer_measures_reuse_from_its_own_evictions():
     assert fresh.reuse.p > 0.6
     assert fresh.reuse_p == 1.0  # measured, but decisions use the configured p unless told otherwise
     assert Placer(PlacementConfig(reuse_prob=None)).reuse_p == 0.5  # the prior's mean before any ghost
+
+
+def test_a_holder_whose_kv_pool_is_full_spills_its_group_and_the_pool_learns_what_memory_frees():
+    """The router publishes each worker's KV memory from the requests the pool has in flight
+    there (``WorkerState.flights``) once it knows the worker's seconds per output token, which
+    the pool learns from requests that ended. A group's next request leaves a holder whose pool is
+    full of other requests for seconds; a holder with room keeps it."""
+    import time as _time
+
+    from cluster.pool import PoolConfig, WorkerPool
+    from cluster.routing import CostAwareRouter
+    from cluster.types import InFlight, WorkerState
+    from engine.sequence import Request, SamplingParams
+
+    states = [WorkerState(f"w{i}", None, info={"num_blocks": 48}) for i in range(2)]  # 768 tokens each
+    cm = _cost_model([w.worker_id for w in states])
+
+    class _Loads(_FakeClient):  # the router actor applies published loads
+        def report(self, method, *args):
+            super().report(method, *args)
+            if method == "report_load":
+                self.cm.observe_load(*args)
+    client = _Loads(cm)
+    # (no idle spill: a hot group's spill to an idle worker is another rule, for busy holders with room)
+    router = CostAwareRouter("m", BS, index=None, client=client, worker_lookup=lambda w: None, timeout_s=0.01,
+                             placement=PlacementConfig(idle_slack=0.0))
+    pool = WorkerPool(PoolConfig(), router=router)
+    pool._ready.set()
+    for w in states:
+        pool.workers[w.worker_id] = w
+    items = shared_prefix(groups=2, users=2, system_len=320, question_len=16, seed=3)
+
+    def request(i, it, max_tokens=16):
+        return Request(f"r{i}", it.prompt_ids, SamplingParams(max_tokens=max_tokens), tenant="t")
+
+    # the pool learns seconds per output token and output size from a request that ended
+    first = asyncio.run(pool.acquire(request(0, items[0])))[0]
+    pool.mark_started("r0", "recomputed", 0.5)
+    first.flights["r0"].started_at = _time.monotonic() - 1.5  # its first token came 1.5 s ago
+    pool.release("r0", output_tokens=16)
+    assert first.tpot_s == pytest.approx(0.1, rel=0.05) and first.output_tokens == 16
+    assert first.flights == {} and first.inflight == 0
+
+    # the group's holder (where r0 ran) with one other request decoding: room left, the group stays
+    holder = first
+    other = next(w for w in states if w is not holder)
+    g0 = [it for it in items if it.group == items[0].group]
+    now = _time.monotonic()
+    holder.flights.update({"x0": InFlight(330, 16, 0, ("other0",), started_at=now)})
+    holder.running = 1
+    assert asyncio.run(router.choose(request(1, g0[1]), states)).worker_id == holder.worker_id
+    # a second one: full (768 tokens hold two 336-token requests, not three) for ~1.5 s more. With
+    # the memory signal off (app argument router_kv_memory=false) the router does not see it
+    holder.flights.update({"x1": InFlight(330, 16, 0, ("other1",), started_at=now)})
+    holder.running = 2
+    router.kv_memory = False
+    assert asyncio.run(router.choose(request(2, g0[1]), states)).worker_id == holder.worker_id
+    assert cm.loads[holder.worker_id].kv_tokens == 0
+    # on (the default): the group's next request goes where there is room
+    router.kv_memory = True
+    choice = asyncio.run(router.choose(request(3, g0[1]), states))
+    load = cm.loads[holder.worker_id]
+    assert load.kv_tokens == 768 and len(load.kv_running) == 2
+    assert choice.worker_id == other.worker_id and choice.route == "recomputed"
+    assert choice.options[holder.worker_id]["kv_wait_s"] > 1.0

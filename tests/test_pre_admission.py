@@ -188,7 +188,7 @@ class _Controller:
         self.begin = _Method(begin)
         self.started = _Method(lambda *a: None)
 
-        def end(lid, fin, dead):
+        def end(lid, fin, dead, output_tokens=None):
             held = client_box[0].local.held.get("acme", 0)
 
             async def deliver():

@@ -421,3 +421,56 @@ def test_the_router_actor_learns_the_decode_term_from_routes_without_pulls_only(
     pooled = 0.2 * 82.5 / (82.5 + 16)  # slope 0.2 s per sequence, ridge-pulled toward 0 (pooled)
     assert r.estimates()["decode_s"]["A"] == pytest.approx((0.2 * 82.5 + 16 * pooled) / (82.5 + 16))
     assert r.metrics()["ttft_error"]["local"]["count"] == 11
+
+
+# -- KV memory: a full pool admits nothing until running requests end -----------------------------
+def test_kv_admission_waits_for_enough_running_requests_to_end_first_come_first_served():
+    from policies.routing import kv_admission_s
+    # room now: no wait, whatever runs
+    assert kv_admission_s(1000, [(400, 5.0)], [], 500) == 0.0
+    # 800 held: 300 more needs the first of the two to end (the earlier, 2 s)
+    assert kv_admission_s(1000, [(400, 6.0), (400, 2.0)], [], 300) == pytest.approx(2.0)
+    # needs both gone: the later end
+    assert kv_admission_s(1000, [(400, 6.0), (400, 2.0)], [], 700) == pytest.approx(6.0)
+    # a waiting request goes first: admitted at 2 s it holds 500 until 2 + 3 s; the new one (300)
+    # then waits for the 6 s end (400 + 500 + 300 > 1000 until then)
+    assert kv_admission_s(1000, [(400, 6.0), (400, 2.0)], [(500, 3.0)], 300) == pytest.approx(5.0)
+    # a request larger than the pool is admitted alone; no pool, no memory term
+    assert kv_admission_s(1000, [(400, 1.0)], [], 5000) == pytest.approx(1.0)
+    assert kv_admission_s(0, [(400, 9.0)], [], 500) == 0.0
+
+
+def test_kv_use_counts_shared_blocks_once_and_ages_running_requests():
+    from policies.routing import KvFlight, kv_use
+    p = tuple(f"p{i}" for i in range(30))  # a 480-token prefix (30 blocks of 16)
+    flights = [KvFlight(520, 480, p + ("a", "b"), 16, running_s=None),     # waits; shares p with the next
+               KvFlight(500, 0, p + ("c",), 16, running_s=0.5),            # computed p: 5 tokens out at 0.1 s
+               KvFlight(300, 0, tuple(f"q{i}" for i in range(18)), 16),    # another prefix, waits
+               KvFlight(200, 0, (), 100, running_s=20.0)]                  # no blocks, past its expected end (10 s)
+    running, waiting, held = kv_use(flights, 0.1, 16)
+    # running ones hold first (the one that computed p holds it), then waiting ones in order; in
+    # whole blocks of 16 tokens: 506 tokens take 32 blocks, 521 - 480 shared take 3
+    assert running == ((32 * 16, pytest.approx(1.1)), (19 * 16, pytest.approx(0.1 * 25)))  # past its end: 100/4 more
+    assert waiting == ((3 * 16, 40, pytest.approx(1.6)), (19 * 16, 300, pytest.approx(1.6)))
+    assert held == set(p) | {"a", "b", "c"} | {f"q{i}" for i in range(18)}
+
+
+def test_a_holder_whose_kv_pool_is_full_loses_to_a_recompute_on_a_worker_with_room():
+    # A holds the prefix but its pool is full of requests decoding for 8 more seconds; its queue
+    # alone (nothing waiting) says "no wait"
+    cm = model(("A", "n1"), ("B", "n2"))
+    full = WorkerLoad(running=4, kv_tokens=2048, kv_running=((500, 8.0),) * 4)
+    cm.observe_load("A", full)
+    cm.observe_load("B", WorkerLoad(kv_tokens=2048))
+    by = {c.worker: c for c in cm.rank(544, {"A": 528}, ["A", "B"])}
+    assert by["A"].kv_wait_s == pytest.approx(8.0) and by["A"].memory_bound
+    assert by["A"].wait_s == pytest.approx(8.0)
+    assert by["B"].kv_wait_s == 0.0 and not by["B"].memory_bound
+    assert cm.rank(544, {"A": 528}, ["A", "B"])[0].worker == "B"
+    # the prefix is held by a request in flight on A (shared): the request needs room only for its
+    # own 16 tokens + 1, which the full pool has (2048 - 2000 = 48)
+    a = {c.worker: c for c in cm.rank(544, {"A": 528}, ["A", "B"], shared={"A": 528})}["A"]
+    assert a.kv_wait_s == 0.0 and a.kind == "local"
+    # without a published pool size there is no memory term (as before)
+    cm.observe_load("A", WorkerLoad(running=4))
+    assert cm.rank(544, {"A": 528}, ["A", "B"])[0].worker == "A"

@@ -42,3 +42,26 @@ def test_trace_off_by_default_and_on_with_a_directory(tiny_model, tmp_path, monk
     # no token ids or request ids: only these fields, with tenant names and counts
     assert {k for r in lines for k in r} <= {"ev", "t", "tenant", "dt", "tok", "rows", "interrupted", "waiting",
                                               "n", "prompt", "running", "cached", "prefill_s"}
+
+
+def test_a_step_with_waiting_requests_says_why_they_wait(tiny_model, tmp_path, monkeypatch):
+    """``held``: waiting requests by reason (``Scheduler.held_back``): no room in the pool, a
+    pull still landing; with the pool's free blocks."""
+    monkeypatch.setenv(ENV, str(tmp_path / "t"))
+    eng = LLMEngine(EngineConfig(model="tiny-llama", num_blocks=12, approx=None, max_num_batched_tokens=256),
+                    tiny_model)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    eng.add_request(Request("a", tuple(3 + i % 200 for i in range(100)), params, tenant="acme"))  # 7 of 12 blocks
+    eng.add_request(Request("b", tuple(9 + i % 190 for i in range(100)), params, tenant="acme"))  # 7 more: no room
+    eng.expect_pull("c", {})
+    eng.add_request(Request("c", (5, 6, 7), params, tenant="acme"))  # its KV is still landing
+    eng.step()
+    assert eng.scheduler.held_back() == {"room": 1, "pull": 1}
+    eng.pull_landed("c")
+    while eng.has_unfinished():
+        eng.step()
+    steps = [json.loads(x) for f in (tmp_path / "t").glob("steps-*.jsonl") for x in f.read_text().splitlines()
+             if '"step"' in x]
+    first = steps[0]
+    assert first["held"] == {"room": 1, "pull": 1} and 0 <= first["free_blocks"] < 7
+    assert all("held" not in s for s in steps if not s["waiting"])
