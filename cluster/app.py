@@ -32,7 +32,7 @@ import ray
 
 from cluster.controller import ConfigMismatch, ControllerClient, ControllerClosing, Rejected, TemplateQuotaExceeded
 from cluster.input_limits import ENCODE_INLINE_CHARS, InputLimits, _vocab_size, check_template, read_body
-from cluster.pool import PoolConfig, WorkerUnavailable
+from cluster.pool import LEND_MODES, PoolConfig, WorkerUnavailable
 from cluster.choices import Assembler, PromptInfo, TokenIds, TokenTexts, chunk_event, response
 from cluster.protocol import (DONE, ApiError, ChatRequest, CompletionRequest, DetokenizeBody, Served, TemplateBody,
                               TokenizeBody, error_event, openapi_body, parse_body)
@@ -126,6 +126,10 @@ class AppSettings:
     # a prefix block reused within this many seconds is evicted after requests' unshared tails
     # (EngineConfig.cache_protect_s, policies/eviction.py); 0: plain LRU
     cache_protect_s: float = 60.0
+    # when another tenant's request may use a worker assigned to a tenant (WorkerPool.lendable):
+    # "unqueued" (no request waits there for its first token), "idle" (nothing in flight: before
+    # session 22), "never" (an assignment fences the others out)
+    lend_workers: str = "unqueued"
 
     def __post_init__(self):
         if self.metrics_auth not in ("none", "admin"):
@@ -138,6 +142,8 @@ class AppSettings:
             raise ValueError("cache_protect_s must be >= 0 (0: plain LRU)")
         if self.import_hold_s < 0:
             raise ValueError("import_hold_s must be >= 0 (0: pulled KV is not held)")
+        if self.lend_workers not in LEND_MODES:
+            raise ValueError(f"lend_workers must be one of {LEND_MODES}, got {self.lend_workers!r}")
 
     @classmethod
     def from_args(cls, args):
@@ -184,7 +190,7 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,
                       auto_device=s.device is None, auto_dtype=s.dtype is None, ready_timeout_s=s.ready_timeout_s,
                       app=app, router_learn_decode=s.router_learn_decode, router_kv_memory=s.router_kv_memory,
-                      router_idle_spill=s.router_idle_spill,
+                      router_idle_spill=s.router_idle_spill, lend_workers=s.lend_workers,
                       router_spill_needs_share=s.router_spill_needs_share, router_balance_ratio=s.router_balance_ratio,
                       router_place_tie=s.router_place_tie)
 

@@ -60,6 +60,7 @@ from policies.placement import PlacementConfig
 
 log = logging.getLogger(__name__)
 
+LEND_MODES = ("unqueued", "idle", "never")  # PoolConfig.lend_workers (WorkerPool.lendable)
 LIFETIME_ALPHA = 0.2  # EWMA weight of one ended request in a worker's tpot_s / output_tokens
 CLOSE_WAIT_S = 10.0  # WorkerPool.close waits at most this long for its killed actors to be gone
 ROUTER_RESYNC_S = 30.0  # sync_router resends an unchanged worker set this often (a safety net)
@@ -84,6 +85,9 @@ class PoolConfig:
     # least-loaded routing and no index/router actors.
     cost_aware_routing: bool = True
     router_learn_decode: bool = True  # CostConfig.learn_decode of the router actor this pool creates
+    # when another tenant's request may use a worker assigned to a tenant (WorkerPool.lendable):
+    # "unqueued" (no request waits there for its first token), "idle" (nothing in flight), "never"
+    lend_workers: str = "unqueued"
     # the router prices each worker's KV memory: a request waits for room in a full pool
     # (policies.routing.kv_use / kv_admission_s, CostAwareRouter.kv_memory); False: queue compute only
     router_kv_memory: bool = True
@@ -522,21 +526,29 @@ class WorkerPool:
 
     # -- requests ----------------------------------------------------------------------------
     def candidates(self, tenant: str) -> list[WorkerState]:
-        """A tenant's own workers, the unassigned (shared) ones and the **idle** workers of other
-        tenants (nothing in flight there); without any of these: any. (Own workers alone left
+        """A tenant's own workers, the unassigned (shared) ones and the workers of other tenants
+        that may be lent now (``lendable``); without any of these: any. (Own workers alone left
         shared workers idle while the tenant queued on its one assigned worker; and once every
         worker was assigned (4 tenants with demand on 4 workers: one each) each tenant was confined
         to its one worker, its KV computed elsewhere before the assignment reachable only by a pull,
         while a tenant with no worker of its own could use all four: the cluster bench's
         multi-tenant workload, session 20.) An assignment guarantees a tenant its workers; it does
-        not fence the others out of them while they idle. A guest is let in only on an idle worker,
-        so at most one guest request is there when its owner comes back (the owner's prefill
-        shares steps with it; a request of its own would as much)."""
+        not fence the others out of them while they have room."""
         ready = [w for w in self.workers.values() if w.routable]
         own = [w for w in ready if w.tenant == tenant]
         shared = [w for w in ready if w.tenant is None]
-        lent = [w for w in ready if w.tenant not in (None, tenant) and w.inflight == 0]
+        lent = [w for w in ready if w.tenant not in (None, tenant) and self.lendable(w)]
         return own + shared + lent or ready
+
+    def lendable(self, w: WorkerState) -> bool:
+        """Whether another tenant's request may go to ``w`` (assigned to a tenant) now:
+        ``PoolConfig.lend_workers`` "unqueued": no request waits there for its first token (its
+        owner's requests are all decoding, or none is there), so a guest is let in only while
+        nobody waits, and at most one guest's prefill is ahead of an owner's request that arrives
+        next (a request of the owner's own would be as much); "idle": nothing in flight there
+        (session 20); "never": an assignment fences the others out."""
+        mode = self.config.lend_workers
+        return (mode == "unqueued" and not w.queued) or (mode == "idle" and w.inflight == 0)
 
     async def acquire(self, request: Request, ready_timeout_s: float = 60.0) -> tuple[WorkerState, RouteChoice]:
         """Route a request and count it on the chosen worker: it stays in flight (demand, the
@@ -554,9 +566,9 @@ class WorkerPool:
                 raise WorkerUnavailable(self.error or "no worker is ready")
             choice = await self.router.choose(request, cands)
             ws = self.workers.get(choice.worker_id)
-            if ws is not None and ws.tenant not in (None, request.tenant) and ws.inflight:
-                # lent because it was idle, taken by another request while the router chose: the
-                # choice again among the tenant's own and shared workers (if any; else it stays)
+            if ws is not None and ws.tenant not in (None, request.tenant) and not self.lendable(ws):
+                # lent, then taken by another request while the router chose: the choice again
+                # among the tenant's own and shared workers (if any; else it stays)
                 rest = [w for w in cands if w.tenant in (None, request.tenant)]
                 if rest:
                     choice = await self.router.choose(request, rest)

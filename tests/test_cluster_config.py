@@ -64,6 +64,10 @@ def test_the_routers_decode_learning_is_an_app_argument_that_reaches_the_pool():
     assert pool_config(AppSettings.from_args({"router_learn_decode": False}), tenants).router_learn_decode is False
     assert pool_config(AppSettings.from_args({}), tenants).router_kv_memory is True
     assert pool_config(AppSettings.from_args({"router_kv_memory": False}), tenants).router_kv_memory is False
+    assert pool_config(AppSettings.from_args({}), tenants).lend_workers == "unqueued"
+    assert pool_config(AppSettings.from_args({"lend_workers": "idle"}), tenants).lend_workers == "idle"
+    with pytest.raises(ValueError, match="lend_workers"):
+        AppSettings.from_args({"lend_workers": "always"})
 
 
 def test_the_idle_spill_of_hot_groups_is_an_app_argument_that_reaches_the_router():

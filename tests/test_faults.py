@@ -247,9 +247,11 @@ def test_a_tenant_with_an_assigned_worker_may_still_use_idle_shared_workers():
                     "w1": WorkerState("w1", None, info),
                     "w2": WorkerState("w2", None, info, tenant="globex"),
                     "w3": WorkerState("w3", None, None)}  # starting
-    pool.workers["w0"].inflight = pool.workers["w2"].inflight = 1  # busy: not lent (idle ones are)
+    pool.workers["w0"].inflight = pool.workers["w2"].inflight = 1
+    # a request waits there for its first token: not lent (lend_workers "unqueued": while none waits, it is)
+    pool.workers["w0"].queued["a1"] = pool.workers["w2"].queued["g1"] = 100
     assert [w.worker_id for w in pool.candidates("acme")] == ["w0", "w1"]
-    assert [w.worker_id for w in pool.candidates("initech")] == ["w1"]  # never another tenant's busy worker
+    assert [w.worker_id for w in pool.candidates("initech")] == ["w1"]  # never another tenant's queued worker
     pool.workers["w1"].draining = True
     assert [w.worker_id for w in pool.candidates("acme")] == ["w0"]
-    assert [w.worker_id for w in pool.candidates("initech")] == ["w0", "w2"]  # nothing shared or idle: any
+    assert [w.worker_id for w in pool.candidates("initech")] == ["w0", "w2"]  # nothing shared or lendable: any

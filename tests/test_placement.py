@@ -640,7 +640,7 @@ def test_a_tenant_uses_its_own_and_the_shared_workers_and_idle_ones_of_other_ten
     from cluster.pool import PoolConfig, WorkerPool
     from cluster.types import WorkerState
 
-    pool = WorkerPool(PoolConfig())
+    pool = WorkerPool(PoolConfig(lend_workers="idle"))
     for wid, tenant in (("w0", "acme"), ("w1", None), ("w2", "globex"), ("w3", None)):
         pool.workers[wid] = WorkerState(wid, None, info={}, tenant=tenant)
 
@@ -658,6 +658,34 @@ def test_a_tenant_uses_its_own_and_the_shared_workers_and_idle_ones_of_other_ten
     pool.workers["w0"].inflight = pool.workers["w2"].inflight = 1
     assert ids("globex") == ["w1", "w2", "w3"]
     assert ids("other") == ["w0", "w1", "w2", "w3"]  # none of its own, shared or idle: any
+
+
+def test_a_busy_workers_owner_lends_it_while_nobody_waits_there_for_a_first_token():
+    """The default (``lend_workers`` "unqueued", session 22): another tenant's worker whose
+    requests are all decoding is lent; one with a request waiting for its first token (the
+    owner's or a guest's) is not, so at most one guest prefill is ahead of the owner's next
+    request. "never" fences the others out."""
+    from cluster.pool import PoolConfig, WorkerPool
+    from cluster.types import WorkerState
+
+    pool = WorkerPool(PoolConfig())
+    for wid, tenant in (("w0", "acme"), ("w1", "globex")):
+        pool.workers[wid] = WorkerState(wid, None, info={}, tenant=tenant)
+    globex = pool.workers["w1"]
+
+    def ids(tenant):
+        return [w.worker_id for w in pool.candidates(tenant)]
+
+    globex.inflight, globex.running = 3, 3  # three of globex's requests decoding, none waiting
+    assert ids("acme") == ["w0", "w1"]
+    globex.queued["g4"] = 500  # one of globex's own waits for its first token: not lent
+    assert ids("acme") == ["w0"]
+    del globex.queued["g4"]
+    globex.queued["a9"] = 40  # a guest routed there waits: no second guest
+    assert ids("acme") == ["w0"]
+    del globex.queued["a9"]
+    pool.config = PoolConfig(lend_workers="never")
+    assert ids("acme") == ["w0"] and ids("other") == ["w0", "w1"]  # none of its own: any
 
 
 # -- p(reuse): warm evictions charged at how often they are needed again ----------------------
