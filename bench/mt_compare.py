@@ -34,6 +34,10 @@ def run_summary(path: str, workload: str, config: str = "kvmesh") -> dict:
         return round(statistics.median(xs), 3) if xs else None
 
     est = w.get("router_estimates") or {}
+    # the router's prediction: measured / expected TTFT per request (client-side TTFT, so it
+    # includes the ingress), and how many responses priced a wait for room in some worker's KV pool
+    ratios = sorted(r["ttft_s"] / r["expected_ttft_s"] for r in rows
+                    if r.get("ttft_s") is not None and r.get("expected_ttft_s"))
 
     def total(table: dict | None) -> dict:
         out: dict[str, int] = {}
@@ -49,7 +53,13 @@ def run_summary(path: str, workload: str, config: str = "kvmesh") -> dict:
             "median_ttft_s_by_route": {k: med([r for r in rows if r.get("route") == k])
                                        for k in ("local", "pulled", "recomputed")},
             "misses": sum(1 for r in rows if (r.get("cached") or 0) < (r.get("oracle") or 0)),
+            "actual_over_expected_ttft": {"p50": _pct(ratios, 0.5), "p90": _pct(ratios, 0.9)} if ratios else None,
+            "priced_kv_wait": sum(1 for r in rows if any("kv_wait_s" in o for o in (r.get("options") or {}).values())),
             "worker_pulls": total(est.get("pulls")), "worker_holds": total(est.get("holds"))}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
 
 
 def group_summary(runs: list[dict]) -> dict:
@@ -63,7 +73,10 @@ def group_summary(runs: list[dict]) -> dict:
     return {"runs": len(runs), "hits_vs_oracle": stat([r["hits_vs_oracle"] for r in runs]),
             **{f"ttft_{p}_s": stat([(r["ttft_s"] or {}).get(p) for r in runs]) for p in ("p50", "p90", "p99")},
             "planned_pulls": sum(r["planned_pulls"] for r in runs),
-            "planned_pulls_run_as_recompute": sum(r["planned_pulls_run_as_recompute"] for r in runs)}
+            "planned_pulls_run_as_recompute": sum(r["planned_pulls_run_as_recompute"] for r in runs),
+            **{f"actual_over_expected_{p}": stat([(r["actual_over_expected_ttft"] or {}).get(p) for r in runs])
+               for p in ("p50", "p90")},
+            "priced_kv_wait": sum(r["priced_kv_wait"] for r in runs)}
 
 
 def main(argv=None) -> dict:
@@ -83,13 +96,16 @@ def main(argv=None) -> dict:
         runs = [run_summary(f, args.workload, args.config) for f in files]
         res["groups"][label] = {"summary": group_summary(runs), "runs": runs}
     labels = list(res["groups"])
-    print(f"{'arm':8} {'runs':>4} {'hits mean (min-max)':>22} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} {'pulls':>6} {'->recomp':>8}")
+    print(f"{'arm':8} {'runs':>4} {'hits mean (min-max)':>22} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} {'pulls':>6}"
+          f" {'->recomp':>8} {'act/exp p50':>11} {'p90':>5} {'kv wait':>7}")
     for label in labels:
         s = res["groups"][label]["summary"]
         h = s["hits_vs_oracle"]
+        ae = [(s[f"actual_over_expected_{p}"] or {}).get("mean") for p in ("p50", "p90")]
         print(f"{label:8} {s['runs']:>4} {h['mean']:>8.3f} ({h['min']:.3f}-{h['max']:.3f})"
               f" {s['ttft_p50_s']['mean']:>7.2f} {s['ttft_p90_s']['mean']:>7.2f} {s['ttft_p99_s']['mean']:>7.2f}"
-              f" {s['planned_pulls']:>6} {s['planned_pulls_run_as_recompute']:>8}")
+              f" {s['planned_pulls']:>6} {s['planned_pulls_run_as_recompute']:>8}"
+              f" {ae[0] if ae[0] is not None else '-':>11} {ae[1] if ae[1] is not None else '-':>5} {s['priced_kv_wait']:>7}")
     if len(labels) == 2:
         a, b = (res["groups"][x]["summary"] for x in labels)
         res["ratios"] = {f"hits {labels[0]}/{labels[1]}": round(a["hits_vs_oracle"]["mean"] / b["hits_vs_oracle"]["mean"], 3),

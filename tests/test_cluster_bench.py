@@ -465,7 +465,8 @@ def test_mt_compare_groups_runs_and_reads_how_planned_pulls_ended(tmp_path):
                                  "holds": {"w0": {"taken": 3}}}}}}}}
         (tmp_path / name).write_text(json.dumps(d))
 
-    pulled = {"planned_route": "pulled", "route": "pulled", "pull_outcome": "landed", "ttft_s": 2.0, "cached": 400, "oracle": 400}
+    pulled = {"planned_route": "pulled", "route": "pulled", "pull_outcome": "landed", "ttft_s": 2.0, "cached": 400,
+              "oracle": 400, "expected_ttft_s": 1.0, "options": {"w0": {"kind": "pulled", "kv_wait_s": 0.5}}}
     lost = {"planned_route": "pulled", "route": "recomputed", "pull_outcome": "holder_missing", "ttft_s": 6.0,
             "cached": 0, "oracle": 400}
     run("a_1.json", 0.9, 1.0, [pulled, lost])
@@ -479,5 +480,9 @@ def test_mt_compare_groups_runs_and_reads_how_planned_pulls_ended(tmp_path):
     assert first["pull_outcomes"] == {"landed": 1, "holder_missing": 1} and first["misses"] == 1
     assert first["median_ttft_s_by_route"] == {"local": None, "pulled": 2.0, "recomputed": 6.0}
     assert first["worker_pulls"] == {"holder_missing": 3} and first["worker_holds"] == {"taken": 3}
+    # the router's prediction error (rows with an expected TTFT) and responses priced with a KV-pool wait
+    assert first["actual_over_expected_ttft"] == {"p50": 2.0, "p90": 2.0} and first["priced_kv_wait"] == 1
+    assert a["summary"]["priced_kv_wait"] == 2 and a["summary"]["actual_over_expected_p50"]["mean"] == 2.0
+    assert res["groups"]["b"]["runs"][0]["actual_over_expected_ttft"] is None
     assert res["ratios"]["hits a/b"] == pytest.approx(1.7) and res["ratios"]["ttft p50 b/a"] == pytest.approx(2.0)
     assert json.loads((tmp_path / "o.json").read_text())["ratios"] == res["ratios"]
