@@ -618,11 +618,12 @@ class ControllerClient:
             await self._end(lid, finished, dead, self._progress.pop(lid, None))
 
     async def _end(self, lease_id: str, finished: bool, dead: bool, output_tokens: int | None = None) -> None:
-        """End a lease (after ``output_tokens``). A finished stream waits for the controller to record it (one round trip
-        after the last token, never before the first): the client may send its next request to
-        another ingress replica at once, and that replica's ``begin`` must not find this lease
-        still open (a spurious 429 at exactly ``max_concurrent``). A stream that failed or was
-        abandoned ends fire-and-forget: its client is gone or gets an error anyway."""
+        """End a lease (after ``output_tokens``). A finished stream waits for the controller to
+        record it (one round trip after the last token, never before the first): the client may
+        send its next request to another ingress replica at once, and that replica's ``begin``
+        must not find this lease still open (a spurious 429 at exactly ``max_concurrent``). A
+        stream that failed or was abandoned ends fire-and-forget: its client is gone or gets an
+        error anyway."""
         try:
             ref = self.handle.end.remote(lease_id, finished, dead, output_tokens)
             if finished:

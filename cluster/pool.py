@@ -135,25 +135,6 @@ def resolve_pool_config(config: PoolConfig, cluster_gpus: float | None = None) -
     return dataclasses.replace(config, engine=engine, worker_num_gpus=gpus, auto_device=False, auto_dtype=False)
 
 
-@dataclass
-class _Flight:
-    tenant: str
-    worker_id: str
-    prompt_tokens: int
-    max_tokens: int
-    output_tokens: int = 0
-    started: bool = False
-    route: str = "local"  # planned route (reported with the measured TTFT)
-    expected_ttft_s: float | None = None
-    running_at_route: int = 0  # sequences decoding on the chosen worker when it was chosen (-1: do not
-    # learn the decode term from it: its expected TTFT was the KV pool's wait, ``RouteChoice.memory_bound``)
-    decode_wait_s: float = 0.0  # the part of expected_ttft_s the router charged for them
-
-    @property
-    def cost(self) -> int:
-        return self.prompt_tokens + self.max_tokens
-
-
 class WorkerPool:
     """Owns the worker actors. Call ``start()`` inside a running event loop; ``close()`` kills
     the workers."""
@@ -164,7 +145,7 @@ class WorkerPool:
         self.autoscaler = TenantAutoscaler(config.autoscale, dict(config.shares))
         self.workers: dict[str, WorkerState] = {}
         self.last_decision: ScaleDecision | None = None
-        self._flights: dict[str, _Flight] = {}
+        self._flights: dict[str, InFlight] = {}
         self._ids = itertools.count()
         self._ready = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -556,7 +537,7 @@ class WorkerPool:
         rid = request.request_id
         if rid in self._flights:
             raise InvalidRequest(f"request id {rid!r} is already in flight")
-        flight = _Flight(request.tenant, "", len(request.prompt_ids), request.params.max_tokens)
+        flight = InFlight(request.tenant, "", len(request.prompt_ids), request.params.max_tokens)
         self._flights[rid] = flight  # demand while we wait (scale from zero) and choose
         try:
             if not self._ready.is_set() and not await self.wait_ready(ready_timeout_s):
@@ -584,7 +565,8 @@ class WorkerPool:
         ws.inflight += 1
         ws.inflight_tokens += flight.cost
         ws.queued[rid] = max(0, flight.prompt_tokens - choice.cached_tokens)
-        ws.flights[rid] = InFlight(flight.prompt_tokens, flight.max_tokens, choice.cached_tokens, choice.blocks)
+        flight.cached_tokens, flight.blocks = choice.cached_tokens, choice.blocks
+        ws.flights[rid] = flight
         self.routed[ws.worker_id] += 1
         self.decisions[choice.route] += 1
         return ws, choice
@@ -608,9 +590,7 @@ class WorkerPool:
             ws = self.workers.get(f.worker_id)
             if ws is not None and ws.queued.pop(request_id, None) is not None:
                 ws.running += 1
-            if ws is not None and request_id in ws.flights:
-                ws.flights[request_id].started_at = time.monotonic()
-        f.started = True
+            f.started_at = time.monotonic()
         f.output_tokens = max(f.output_tokens, output_tokens)
 
     def progress(self, request_id: str, output_tokens: int) -> None:
@@ -628,11 +608,11 @@ class WorkerPool:
         ws = self.workers.get(f.worker_id) if f is not None and f.worker_id else None
         if ws is None:
             return
-        kv = ws.flights.pop(request_id, None)
+        ws.flights.pop(request_id, None)
         out = max(f.output_tokens, output_tokens or 0)
-        if kv is not None and kv.started_at is not None and out >= 2 and not worker_dead:
+        if f.started and out >= 2 and not worker_dead:
             a = LIFETIME_ALPHA
-            tpot = (time.monotonic() - kv.started_at) / (out - 1)
+            tpot = (time.monotonic() - f.started_at) / (out - 1)
             ws.tpot_s = tpot if ws.tpot_s is None else (1 - a) * ws.tpot_s + a * tpot
             ws.output_tokens = out if ws.output_tokens is None else (1 - a) * ws.output_tokens + a * out
         ws.inflight -= 1

@@ -26,14 +26,31 @@ class WorkerDied(WorkerUnavailable):
 
 @dataclass
 class InFlight:
-    """A request the pool routed to a worker, as the router's KV memory signal sees it
-    (``policies.routing.kv_use``)."""
+    """A request the pool routed (``WorkerPool.acquire``) until it ends: its demand, the
+    router's prediction (reported with the measured TTFT) and what the KV memory signal reads
+    (``WorkerState.flights``, ``policies.routing.kv_use``)."""
 
+    tenant: str
+    worker_id: str
     prompt_tokens: int
     max_tokens: int
-    cached_tokens: int  # the router expected these reused there (local + pulled)
+    output_tokens: int = 0
+    route: str = "local"  # planned route (reported with the measured TTFT)
+    expected_ttft_s: float | None = None
+    running_at_route: int = 0  # sequences decoding on the chosen worker when it was chosen (-1: do not
+    # learn the decode term from it: its expected TTFT was the KV pool's wait, ``RouteChoice.memory_bound``)
+    decode_wait_s: float = 0.0  # the part of expected_ttft_s the router charged for them
+    cached_tokens: int = 0  # the router expected these reused there (local + pulled)
     blocks: tuple = ()  # its prompt's block hashes (``RouteChoice.blocks``)
     started_at: float | None = None  # monotonic time its first token was reported
+
+    @property
+    def started(self) -> bool:
+        return self.started_at is not None
+
+    @property
+    def cost(self) -> int:
+        return self.prompt_tokens + self.max_tokens
 
 
 @dataclass(eq=False)

@@ -331,8 +331,9 @@ def kv_use(flights: Iterable[KvFlight], tpot_s: float, block_size: int) -> tuple
     KV), for the first request that holds it: running ones first, then waiting ones in order. A
     running request holds its prompt and the output produced so far (``running_s / tpot_s``)
     and ends after the rest of its expected output (one past that end: a quarter of it more); a
-    waiting one will hold its prompt and one token. Sizes are whole blocks, in tokens (a 40-token suffix and 16 output tokens take 4
-    blocks: 64 tokens). ``held``: every block hash counted (a new request needs no room for these)."""
+    waiting one will hold its prompt and one token. Sizes are whole blocks, in tokens (a 40-token
+    suffix and 16 output tokens take 4 blocks: 64 tokens). ``held``: every block hash counted (a
+    new request needs no room for these)."""
     running, waiting, held = [], [], set()
     tpot = max(tpot_s, 1e-6)
     flights = sorted(flights, key=lambda f: f.running_s is None)  # stable: routing order within each

@@ -836,12 +836,12 @@ def test_a_holder_whose_kv_pool_is_full_spills_its_group_and_the_pool_learns_wha
     other = next(w for w in states if w is not holder)
     g0 = [it for it in items if it.group == items[0].group]
     now = _time.monotonic()
-    holder.flights.update({"x0": InFlight(330, 16, 0, ("other0",), started_at=now)})
+    holder.flights.update({"x0": InFlight("t", holder.worker_id, 330, 16, blocks=("other0",), started_at=now)})
     holder.running = 1
     assert asyncio.run(router.choose(request(1, g0[1]), states)).worker_id == holder.worker_id
     # a second one: full (768 tokens hold two 336-token requests, not three) for ~1.5 s more. With
     # the memory signal off (app argument router_kv_memory=false) the router does not see it
-    holder.flights.update({"x1": InFlight(330, 16, 0, ("other1",), started_at=now)})
+    holder.flights.update({"x1": InFlight("t", holder.worker_id, 330, 16, blocks=("other1",), started_at=now)})
     holder.running = 2
     router.kv_memory = False
     assert asyncio.run(router.choose(request(2, g0[1]), states)).worker_id == holder.worker_id
