@@ -215,6 +215,19 @@ def metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
     return d
 
 
+def stage_means(m: dict[str, float]) -> dict[str, float]:
+    """Mean seconds per request of each stage of the time to first token (the ingress's
+    ``kvmesh_request_stage_seconds`` histogram, all tenants) from a metrics delta: the request
+    path's profile for load generators that do not keep the responses' ``kvmesh.timings``."""
+    sums: dict[str, list[float]] = {}
+    for k, v in m.items():
+        if k.startswith("kvmesh_request_stage_seconds_") and 'stage="' in k:
+            stage = re.search(r'stage="([^"]+)"', k).group(1)
+            acc = sums.setdefault(stage, [0.0, 0.0])
+            acc[0 if k.startswith("kvmesh_request_stage_seconds_sum") else 1] += v
+    return {st: round(a / n, 4) for st, (a, n) in sums.items() if n}
+
+
 def decisions(m: dict[str, float], now: dict[str, float] | None = None) -> dict:
     """Route decisions and pulled bytes/tokens from a metrics delta; with ``now`` (the later
     scrape), the prefix groups each worker served lately (a gauge)."""
@@ -226,7 +239,7 @@ def decisions(m: dict[str, float], now: dict[str, float] | None = None) -> dict:
                   if k.startswith("kvmesh_router_placements{")}
     routed = {re.search(r'worker="([^"]+)"', k).group(1): v for k, v in m.items()
               if k.startswith("kvmesh_router_routed{") and 'worker="' in k}
-    return {"routes": routes, "router_decisions": kinds, "placements": placements, "routed_per_worker": routed,
+    return {"stage_means_s": stage_means(m), "routes": routes, "router_decisions": kinds, "placements": placements, "routed_per_worker": routed,
             "bytes_pulled": sum(v for k, v in m.items() if k.startswith("kvmesh_router_bytes_pulled")),
             "pulled_tokens": sum(v for k, v in m.items() if k.startswith("kvmesh_pulled_tokens_total")),
             "groups_per_worker": {re.search(r'worker="([^"]+)"', k).group(1): v for k, v in (now or {}).items()
@@ -293,7 +306,8 @@ def other_workloads(args, tok) -> dict[str, tuple[list[workloads.WorkItem], list
     return {k: v for k, v in all_.items() if k in args.workloads}
 
 
-WHY = ("placement", "index_holders", "routed_holders", "planned_route", "expected_ttft_s", "options", "pull_outcome")  # kvmesh's explanation
+WHY = ("placement", "index_holders", "routed_holders", "planned_route", "expected_ttft_s", "options", "pull_outcome",
+       "timings")  # kvmesh's explanation, and where its time to first token went
 
 
 def per_request(results: list[Result], items: list[workloads.WorkItem], oracle: list[int]) -> list[dict]:
@@ -893,6 +907,9 @@ def print_table(doc: dict) -> None:
                   f"{s['output_token_throughput'] or 0:6.1f} {_f(t['p50']):>6s} {_f(t['p90']):>6s} {_f(t['p99']):>6s} "
                   f"{_f(s['tpot_s']['p50']):>6s} {s['goodput'] or 0:6.2f} {_f(s['hit']['vs_oracle']):>6s}  "
                   f"{s.get('kvmesh_metrics', {}).get('routes', {})}")
+            st = s.get("kvmesh_metrics", {}).get("stage_means_s")
+            if st:
+                print(f"{'':14s} time to first token by stage, mean s: " + ", ".join(f"{k} {v:.3f}" for k, v in st.items()))
         for w, s in (res.get("workloads") or {}).items():
             t = s["ttft_s"]
             print(f"{name:14s} {w:>13s} {s['ok']:3d}/{s['requests']:<3d} p50/p90/p99 {_f(t['p50'])}/{_f(t['p90'])}/"

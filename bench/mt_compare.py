@@ -55,7 +55,22 @@ def run_summary(path: str, workload: str, config: str = "kvmesh") -> dict:
             "misses": sum(1 for r in rows if (r.get("cached") or 0) < (r.get("oracle") or 0)),
             "actual_over_expected_ttft": {"p50": _pct(ratios, 0.5), "p90": _pct(ratios, 0.9)} if ratios else None,
             "priced_kv_wait": sum(1 for r in rows if any("kv_wait_s" in o for o in (r.get("options") or {}).values())),
+            "stages_s": stages(rows),
             "worker_pulls": total(est.get("pulls")), "worker_holds": total(est.get("holds"))}
+
+
+STAGES = ("ttft", "ingress", "lease", "route", "engine_queue", "prefill", "overhead")
+
+
+def stages(rows: list[dict]) -> dict:
+    """Per stage of the time to first token (the responses' ``kvmesh.timings``): p50 and p90."""
+    out = {}
+    for st in STAGES:
+        xs = sorted(r["timings"][f"{st}_s"] for r in rows
+                    if r.get("timings") and r["timings"].get(f"{st}_s") is not None)
+        if xs:
+            out[st] = {"p50": _pct(xs, 0.5), "p90": _pct(xs, 0.9)}
+    return out
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -76,7 +91,10 @@ def group_summary(runs: list[dict]) -> dict:
             "planned_pulls_run_as_recompute": sum(r["planned_pulls_run_as_recompute"] for r in runs),
             **{f"actual_over_expected_{p}": stat([(r["actual_over_expected_ttft"] or {}).get(p) for r in runs])
                for p in ("p50", "p90")},
-            "priced_kv_wait": sum(r["priced_kv_wait"] for r in runs)}
+            "priced_kv_wait": sum(r["priced_kv_wait"] for r in runs),
+            "stages_s": {st: {p: stat([(r.get("stages_s") or {}).get(st, {}).get(p) for r in runs])["mean"]
+                              for p in ("p50", "p90")}
+                         for st in STAGES if any(st in (r.get("stages_s") or {}) for r in runs)}}
 
 
 def main(argv=None) -> dict:
@@ -106,6 +124,11 @@ def main(argv=None) -> dict:
               f" {s['ttft_p50_s']['mean']:>7.2f} {s['ttft_p90_s']['mean']:>7.2f} {s['ttft_p99_s']['mean']:>7.2f}"
               f" {s['planned_pulls']:>6} {s['planned_pulls_run_as_recompute']:>8}"
               f" {ae[0] if ae[0] is not None else '-':>11} {ae[1] if ae[1] is not None else '-':>5} {s['priced_kv_wait']:>7}")
+    for label in labels:
+        st = res["groups"][label]["summary"]["stages_s"]
+        if st:
+            print(f"{label:8} time to first token by stage, p50 / p90 s (mean over runs): "
+                  + ", ".join(f"{k} {v['p50']:.3f} / {v['p90']:.3f}" for k, v in st.items()))
     if len(labels) == 2:
         a, b = (res["groups"][x]["summary"] for x in labels)
         res["ratios"] = {f"hits {labels[0]}/{labels[1]}": round(a["hits_vs_oracle"]["mean"] / b["hits_vs_oracle"]["mean"], 3),

@@ -35,6 +35,7 @@ from cluster.input_limits import ENCODE_INLINE_CHARS, InputLimits, _vocab_size, 
 from cluster.pool import LEND_MODES, PoolConfig, WorkerUnavailable
 from cluster.choices import Assembler, PromptInfo, TokenIds, TokenTexts, chunk_event, response
 from cluster.protocol import (DONE, ApiError, ChatRequest, CompletionRequest, DetokenizeBody, Served, TemplateBody,
+                              stage_timings,
                               TokenizeBody, error_event, openapi_body, parse_body)
 from engine.approx import ApproxConfig
 from engine.async_engine import EngineDead, EngineStepFailed
@@ -241,9 +242,10 @@ class _Ctx:
 
     def __init__(self, ing: "KvmeshIngress", tenant: str, endpoint: str, rid: str, requests: list[Request],
                  chat: bool, leases: list, streams: list, firsts: list, asm: Assembler, include_usage: bool,
-                 continuous_usage: bool = False):
+                 continuous_usage: bool = False, timings: list[dict] | None = None):
         self.ing, self.tenant, self.endpoint, self.rid, self.requests = ing, tenant, endpoint, rid, requests
         self.chat, self.leases, self.streams, self.firsts, self.asm = chat, leases, streams, firsts, asm
+        self.timings = timings or [None] * len(requests)
         self.include_usage, self.continuous_usage = include_usage, continuous_usage
         self.model = ing.model_name
         self.created = int(time.time())
@@ -257,7 +259,7 @@ class _Ctx:
                       pulled_tokens=out.pulled_tokens, reuse=self.requests[p].reuse, placement=choice.placement,
                       index_holders=choice.index_holders, routed_holders=choice.routed_holders,
                       planned_route=choice.route, expected_ttft_s=choice.expected_ttft_s, options=choice.options,
-                      pull_outcome=getattr(out, "pull_outcome", None))
+                      pull_outcome=getattr(out, "pull_outcome", None), timings=self.timings[p])
 
     def _kvmesh(self) -> dict:
         """The response's ``kvmesh`` object: the serving of its one prompt, or ``{"prompts": [...]}``."""
@@ -377,7 +379,9 @@ class _Ctx:
 
 
 async def _first(stream):
-    return await stream.__anext__()
+    """A stream's first item and when it came (``perf_counter``)."""
+    item = await stream.__anext__()
+    return item, time.perf_counter()
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -857,6 +861,7 @@ class KvmeshIngress:
     async def _serve(self, req: HttpRequest, chat: bool):
         endpoint = "chat" if chat else "completions"
         tenant_name = "-"
+        received = time.perf_counter()
         try:
             tenant = self._auth(req)
             tenant_name = tenant.name
@@ -886,9 +891,13 @@ class KvmeshIngress:
             await self._hold_refusal(tenant.name, err)
             raise err from None
         self.metrics.ttft.labels(tenant=tenant.name).observe(time.perf_counter() - t0)
-        leases = [(ws.worker_id, choice) for ws, choice, _ in firsts]
-        ctx = _Ctx(self, tenant.name, endpoint, rid, requests, chat, leases, streams, [first for _, _, first in firsts],
-                   asm, body.include_usage, body.continuous_usage)
+        timings = [stage_timings(received, t0, at, choice.lease_s, choice.route_s, first.ttft_s, first.prefill_s)
+                   for (_, choice, first), at in firsts]
+        self.metrics.observe_stages(tenant.name, timings)
+        leases = [(ws.worker_id, choice) for (ws, choice, _), _ in firsts]
+        outs = [first for (_, _, first), _ in firsts]
+        ctx = _Ctx(self, tenant.name, endpoint, rid, requests, chat, leases, streams, outs, asm, body.include_usage,
+                   body.continuous_usage, timings)
         if body.is_stream:
             return ClosingStreamingResponse(ctx.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -592,12 +592,14 @@ class ControllerClient:
         """Like ``WorkerPool.generate``: stream a request's outputs from the leased worker. Closing
         the iterator early cancels the request on the worker (its blocks are freed)."""
         ticket = self.local.sent(request.tenant, time.monotonic())
+        t_lease = time.perf_counter()
         try:
             lease = await self._begin(request, ready_timeout_s)
         except Rejected as e:
             self.local.refused(ticket, e.reason, e.retry_after_s, time.monotonic())
             raise
         self.local.admitted(ticket, time.monotonic())
+        choice = dataclasses.replace(lease.choice, lease_s=time.perf_counter() - t_lease)
         lid, finished, dead, first = lease.lease_id, False, False, True
         self._progress[lid] = 0
         t0 = time.monotonic()
@@ -609,7 +611,7 @@ class ControllerClient:
                         first = False
                     self._progress[lid] = out.num_output_tokens
                     finished = out.finished
-                    yield lease, lease.choice, out
+                    yield lease, choice, out
         except WorkerDied:
             dead = True
             raise

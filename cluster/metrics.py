@@ -5,7 +5,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the ingress
 
+from cluster.protocol import STAGES
+
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
 class Metrics:
@@ -18,6 +21,12 @@ class Metrics:
         self.completion_tokens = Counter("kvmesh_completion_tokens", "Generated tokens", ["tenant"], registry=r)
         self.ttft = Histogram("kvmesh_ttft_seconds", "Time to first token at the ingress", ["tenant"],
                               buckets=_TTFT_BUCKETS, registry=r)
+        self.stages = Histogram("kvmesh_request_stage_seconds",
+                                "Where time to first token went, per request: ingress (parsing, tokenizing), lease "
+                                "(admission and routing, a controller round trip), route (of that, the router's "
+                                "choice), engine_queue (waiting in the worker's engine: a slot, a pull landing), "
+                                "prefill (forward passes), overhead (the worker call and the output's way back)",
+                                ["tenant", "stage"], buckets=_STAGE_BUCKETS, registry=r)
         self.queue_depth = Gauge("kvmesh_queue_depth", "Admitted requests without a first token yet",
                                  ["tenant"], registry=r)
         self.inflight = Gauge("kvmesh_inflight_requests", "Admitted requests not finished", ["tenant"], registry=r)
@@ -48,6 +57,14 @@ class Metrics:
         for t in tenants:  # every tenant has series from the first scrape
             for m in (self.prompt_tokens, self.cached_tokens, self.completion_tokens, self.queue_depth, self.inflight):
                 m.labels(tenant=t)
+
+    def observe_stages(self, tenant: str, timings: list[dict]) -> None:
+        """One observation per measured stage of each prompt's ``protocol.stage_timings``."""
+        for t in timings:
+            for stage in STAGES:
+                v = t.get(f"{stage}_s")
+                if v is not None:
+                    self.stages.labels(tenant=tenant, stage=stage).observe(v)
 
     def observe_finished(self, tenant: str, prompt: int, cached: int, completion: int,
                          route: str | None = None, pulled: int = 0) -> None:

@@ -545,6 +545,7 @@ class WorkerPool:
             cands = self.candidates(request.tenant)
             if not cands:
                 raise WorkerUnavailable(self.error or "no worker is ready")
+            t0 = time.perf_counter()
             choice = await self.router.choose(request, cands)
             ws = self.workers.get(choice.worker_id)
             if ws is not None and ws.tenant not in (None, request.tenant) and not self.lendable(ws):
@@ -554,6 +555,7 @@ class WorkerPool:
                 if rest:
                     choice = await self.router.choose(request, rest)
                     ws = self.workers.get(choice.worker_id)
+            choice = dataclasses.replace(choice, route_s=time.perf_counter() - t0)
             if ws is None or not ws.routable:
                 raise WorkerUnavailable(f"router chose unavailable worker {choice.worker_id!r}")
         except BaseException:
@@ -628,7 +630,9 @@ class WorkerPool:
                        ) -> AsyncIterator[tuple[WorkerState, RouteChoice, RequestOutput]]:
         """Stream a request's outputs from the chosen worker. Closing the iterator early cancels
         the request on the worker (its blocks are freed)."""
+        t0 = time.perf_counter()
         ws, choice = await self.acquire(request, ready_timeout_s)
+        choice = dataclasses.replace(choice, lease_s=time.perf_counter() - t0)
         dead = False
         t_start = time.monotonic()
         try:

@@ -518,6 +518,7 @@ class Served:
     expected_ttft_s: float | None = None  # the router's TTFT estimate of its plan
     options: dict | None = None  # the ranking it chose from (cluster.types.RouteChoice.options)
     pull_outcome: str | None = None  # what the worker's pulls did (landed, partial, skipped_no_room, ...)
+    timings: dict | None = None  # where its time to first token went (``stage_timings``)
 
     def as_dict(self) -> dict:
         return {"worker": self.worker, "route": self.route, "exact_cached_tokens": self.exact_cached_tokens,
@@ -525,7 +526,30 @@ class Served:
                 "reuse": self.reuse, "placement": self.placement, "index_holders": self.index_holders,
                 "routed_holders": self.routed_holders, "planned_route": self.planned_route,
                 "expected_ttft_s": None if self.expected_ttft_s is None else round(self.expected_ttft_s, 3),
-                "options": self.options, "pull_outcome": self.pull_outcome}
+                "options": self.options, "pull_outcome": self.pull_outcome, "timings": self.timings}
+
+
+STAGES = ("ingress", "lease", "route", "engine_queue", "prefill", "overhead")
+
+
+def stage_timings(received: float, built: float, first_at: float, lease_s: float | None, route_s: float | None,
+                  engine_ttft_s: float | None, prefill_s: float | None) -> dict:
+    """Where a request's time to first token went, in seconds (``perf_counter`` times of the
+    ingress: the request ``received``, its engine requests ``built``, its ``first_at`` output):
+    ``ingress`` (body, tokenizer, validation), ``lease`` (the controller's admission and routing,
+    a round trip from the ingress), ``route`` (of that, the router's choice: index lookup and
+    ranking), ``engine_ttft`` (the worker's engine, from taking the request to its first token:
+    waiting for a slot, a pull landing, the prefill) split into ``engine_queue`` and ``prefill``
+    (the forward passes), ``overhead`` (the rest: the call to the worker, its pull planning, the
+    output's way back) and ``ttft`` (the whole, at the ingress). A stage not measured is None."""
+    ttft = first_at - received
+    out = {"ttft": ttft, "ingress": built - received, "lease": lease_s, "route": route_s,
+           "engine_ttft": engine_ttft_s, "engine_queue": None, "prefill": prefill_s, "overhead": None}
+    if engine_ttft_s is not None and prefill_s is not None:
+        out["engine_queue"] = max(0.0, engine_ttft_s - prefill_s)
+    if lease_s is not None and engine_ttft_s is not None:
+        out["overhead"] = max(0.0, ttft - out["ingress"] - lease_s - engine_ttft_s)
+    return {f"{k}_s": None if v is None else round(v, 4) for k, v in out.items()}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

@@ -98,6 +98,11 @@ class RouteChoice:
     options: dict | None = None
     blocks: tuple = ()  # the prompt's full blocks' chain hashes in its domain (the KV it shares with others)
     memory_bound: bool = False  # expected_ttft_s waits for room in the worker's KV pool
+    # how long the choice took: the router's ``choose`` (index lookup and ranking, measured by the
+    # pool) and the whole lease (admission and routing, measured by whoever asked for it: the
+    # ingress's round trip to the controller); the response's ``kvmesh.timings``
+    route_s: float | None = None
+    lease_s: float | None = None
 
 
 class Router(Protocol):

@@ -156,6 +156,25 @@ def test_prometheus_parsing_and_decision_deltas():
     assert d["routes"] == {"local": 2, "pulled": 2} and d["bytes_pulled"] == 4096
     assert d["router_decisions"] == {"pull": 2}
     assert d["groups_per_worker"] == {"w0": 3.0}  # a gauge: its value now, not a delta
+    assert d["stage_means_s"] == {}  # no stage histogram in these scrapes
+
+
+def test_stage_means_from_histogram_deltas_over_tenants():
+    from bench.cluster import metrics_delta, parse_prometheus, stage_means
+
+    def scrape(n_a, sum_a, n_b, sum_b):
+        return parse_prometheus(
+            f'kvmesh_request_stage_seconds_bucket{{le="0.1",stage="lease",tenant="a"}} {n_a}\n'
+            f'kvmesh_request_stage_seconds_count{{stage="lease",tenant="a"}} {n_a}\n'
+            f'kvmesh_request_stage_seconds_sum{{stage="lease",tenant="a"}} {sum_a}\n'
+            f'kvmesh_request_stage_seconds_count{{stage="lease",tenant="b"}} {n_b}\n'
+            f'kvmesh_request_stage_seconds_sum{{stage="lease",tenant="b"}} {sum_b}\n'
+            'kvmesh_request_stage_seconds_count{stage="prefill",tenant="a"} 7\n'
+            'kvmesh_request_stage_seconds_sum{stage="prefill",tenant="a"} 9.0\n')
+
+    # between the scrapes: 2 requests of a (0.2 s) and 2 of b (0.6 s) leased; nothing prefilled
+    m = stage_means(metrics_delta(scrape(3, 0.3, 1, 0.1), scrape(5, 0.5, 3, 0.7)))
+    assert m == {"lease": 0.2}
 
 
 def test_inference_perf_reports_become_results_with_usage_and_prompts(tmp_path):
@@ -466,7 +485,8 @@ def test_mt_compare_groups_runs_and_reads_how_planned_pulls_ended(tmp_path):
         (tmp_path / name).write_text(json.dumps(d))
 
     pulled = {"planned_route": "pulled", "route": "pulled", "pull_outcome": "landed", "ttft_s": 2.0, "cached": 400,
-              "oracle": 400, "expected_ttft_s": 1.0, "options": {"w0": {"kind": "pulled", "kv_wait_s": 0.5}}}
+              "oracle": 400, "expected_ttft_s": 1.0, "options": {"w0": {"kind": "pulled", "kv_wait_s": 0.5}},
+              "timings": {"ttft_s": 1.9, "lease_s": 0.05, "engine_queue_s": None}}
     lost = {"planned_route": "pulled", "route": "recomputed", "pull_outcome": "holder_missing", "ttft_s": 6.0,
             "cached": 0, "oracle": 400}
     run("a_1.json", 0.9, 1.0, [pulled, lost])
@@ -484,5 +504,9 @@ def test_mt_compare_groups_runs_and_reads_how_planned_pulls_ended(tmp_path):
     assert first["actual_over_expected_ttft"] == {"p50": 2.0, "p90": 2.0} and first["priced_kv_wait"] == 1
     assert a["summary"]["priced_kv_wait"] == 2 and a["summary"]["actual_over_expected_p50"]["mean"] == 2.0
     assert res["groups"]["b"]["runs"][0]["actual_over_expected_ttft"] is None
+    # where the time went, from the responses that carry timings (stages not measured left out)
+    assert first["stages_s"] == {"ttft": {"p50": 1.9, "p90": 1.9}, "lease": {"p50": 0.05, "p90": 0.05}}
+    assert a["summary"]["stages_s"]["lease"] == {"p50": 0.05, "p90": 0.05}
+    assert res["groups"]["b"]["runs"][0]["stages_s"] == {}
     assert res["ratios"]["hits a/b"] == pytest.approx(1.7) and res["ratios"]["ttft p50 b/a"] == pytest.approx(2.0)
     assert json.loads((tmp_path / "o.json").read_text())["ratios"] == res["ratios"]

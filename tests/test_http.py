@@ -73,6 +73,14 @@ def test_completion_reports_cached_tokens_on_repeat_and_kvmesh_object(server):
     assert kv["index_holders"] is None or set(kv["index_holders"]) <= {kv["worker"]}
     if kv["options"] is not None:  # the ranking it chose from (None: the router did not answer in time)
         assert kv["worker"] in kv["options"] and kv["options"][kv["worker"]]["kind"] == "local"
+    # where the time to first token went: every stage measured, the parts within the whole
+    for t in (first["timings"], kv["timings"]):
+        assert all(t[f"{k}_s"] is not None and t[f"{k}_s"] >= 0 for k in
+                   ("ttft", "ingress", "lease", "route", "engine_ttft", "engine_queue", "prefill", "overhead"))
+        assert t["route_s"] <= t["lease_s"] and t["prefill_s"] <= t["engine_ttft_s"]
+        assert t["ingress_s"] + t["lease_s"] + t["engine_ttft_s"] <= t["ttft_s"] + 1e-3
+    # the repeat's prefill computes the tokens after its cached blocks only
+    assert kv["timings"]["prefill_s"] > 0 and first["timings"]["prefill_s"] > 0
 
 
 def test_grants_and_isolation(server):
@@ -249,6 +257,8 @@ def test_metrics_per_tenant(server):
     assert samples['kvmesh_prompt_tokens_total{tenant="globex"}'] > 0
     assert samples['kvmesh_cached_tokens_total{tenant="globex"}'] > 0
     assert samples['kvmesh_ttft_seconds_count{tenant="globex"}'] >= 2
+    for stage in ("ingress", "lease", "route", "engine_queue", "prefill", "overhead"):
+        assert samples[f'kvmesh_request_stage_seconds_count{{stage="{stage}",tenant="globex"}}'] >= 2
     assert 'kvmesh_queue_depth{tenant="globex"}' in samples
     # probes ask with HEAD first (aiperf's /metrics check, load balancers' /health): no 405
     head = http(server).head("/metrics")

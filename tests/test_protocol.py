@@ -63,3 +63,19 @@ def test_field_policy():
     assert _parse(ChatRequest, {**chat, "response_format": {"type": "json_schema"}}).param.startswith("response_format")
     assert _parse(ChatRequest, {**chat, "messages": [{"role": "tool", "content": "x"}]}).param == "messages.0.role"
     assert _parse(TokenizeBody, {"prompt": "x", "messages": chat["messages"]}).param == "prompt"
+
+
+def test_stage_timings_split_the_time_to_first_token():
+    from cluster.protocol import stage_timings
+
+    t = stage_timings(received=10.0, built=10.01, first_at=10.5, lease_s=0.04, route_s=0.01, engine_ttft_s=0.4,
+                      prefill_s=0.3)
+    assert t["ttft_s"] == 0.5 and t["ingress_s"] == 0.01 and t["lease_s"] == 0.04 and t["route_s"] == 0.01
+    assert t["engine_ttft_s"] == 0.4 and t["prefill_s"] == 0.3 and t["engine_queue_s"] == 0.1
+    assert t["overhead_s"] == 0.05  # 0.5 - 0.01 - 0.04 - 0.4
+    # what was not measured stays None, and nothing derived from it is made up
+    t = stage_timings(10.0, 10.0, 10.2, None, None, None, None)
+    assert t["ttft_s"] == 0.2 and t["lease_s"] is None and t["engine_queue_s"] is None and t["overhead_s"] is None
+    # clocks of two processes: a stage never reads negative
+    t = stage_timings(10.0, 10.0, 10.2, 0.1, 0.05, 0.2, 0.25)
+    assert t["overhead_s"] == 0.0 and t["engine_queue_s"] == 0.0
