@@ -131,8 +131,14 @@ class AppSettings:
     # "unqueued" (no request waits there for its first token), "idle" (nothing in flight: before
     # session 22), "never" (an assignment fences the others out)
     lend_workers: str = "unqueued"
+    # a request on a lent worker runs below the owner's priority classes (Request.guest): the owner's
+    # requests arriving meanwhile cap its prefill chunks (engine/scheduler.py); false: equal classes
+    guests_yield: bool = True
 
     def __post_init__(self):
+        for f in fields(self):  # a YAML "false" in quotes would read as true
+            if f.type in ("bool", bool) and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name} must be true or false, got {getattr(self, f.name)!r}")
         if self.metrics_auth not in ("none", "admin"):
             raise ValueError(f"metrics_auth must be 'none' or 'admin', got {self.metrics_auth!r}")
         if self.reject_delay_s < 0 or self.reject_delay_max_held < 0:
@@ -192,6 +198,7 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                       auto_device=s.device is None, auto_dtype=s.dtype is None, ready_timeout_s=s.ready_timeout_s,
                       app=app, router_learn_decode=s.router_learn_decode, router_kv_memory=s.router_kv_memory,
                       router_idle_spill=s.router_idle_spill, lend_workers=s.lend_workers,
+                      guests_yield=s.guests_yield,
                       router_spill_needs_share=s.router_spill_needs_share, router_balance_ratio=s.router_balance_ratio,
                       router_place_tie=s.router_place_tie)
 

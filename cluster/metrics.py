@@ -22,10 +22,11 @@ class Metrics:
         self.ttft = Histogram("kvmesh_ttft_seconds", "Time to first token at the ingress", ["tenant"],
                               buckets=_TTFT_BUCKETS, registry=r)
         self.stages = Histogram("kvmesh_request_stage_seconds",
-                                "Where time to first token went, per request: ingress (parsing, tokenizing), lease "
+                                "Where time to first token went, per request: ttft (the whole, at the ingress), "
+                                "ingress (parsing, tokenizing), lease "
                                 "(admission and routing, a controller round trip), route (of that, the router's "
                                 "choice), engine_queue (waiting in the worker's engine: a slot, a pull landing), "
-                                "prefill (forward passes), overhead (the worker call and the output's way back)",
+                                "prefill (forward passes), overhead (the rest: the worker call and the output's way back)",
                                 ["tenant", "stage"], buckets=_STAGE_BUCKETS, registry=r)
         self.queue_depth = Gauge("kvmesh_queue_depth", "Admitted requests without a first token yet",
                                  ["tenant"], registry=r)

@@ -88,6 +88,9 @@ class PoolConfig:
     # when another tenant's request may use a worker assigned to a tenant (WorkerPool.lendable):
     # "unqueued" (no request waits there for its first token), "idle" (nothing in flight), "never"
     lend_workers: str = "unqueued"
+    # a request on another tenant's (lent) worker runs there below the owner's priority classes
+    # (``Request.guest``): the owner's requests arriving meanwhile are not slowed by the guest's prefill
+    guests_yield: bool = True
     # the router prices each worker's KV memory: a request waits for room in a full pool
     # (policies.routing.kv_use / kv_admission_s, CostAwareRouter.kv_memory); False: queue compute only
     router_kv_memory: bool = True
@@ -555,7 +558,8 @@ class WorkerPool:
                 if rest:
                     choice = await self.router.choose(request, rest)
                     ws = self.workers.get(choice.worker_id)
-            choice = dataclasses.replace(choice, route_s=time.perf_counter() - t0)
+            guest = self.config.guests_yield and ws is not None and ws.tenant not in (None, request.tenant)
+            choice = dataclasses.replace(choice, route_s=time.perf_counter() - t0, guest=guest)
             if ws is None or not ws.routable:
                 raise WorkerUnavailable(f"router chose unavailable worker {choice.worker_id!r}")
         except BaseException:
@@ -701,6 +705,8 @@ async def stream_outputs(actor, worker_id: str, request: Request, choice: RouteC
     ``RayActorError``, e.g. ``ActorUnavailableError`` on a network blip: it may recover) raises
     ``WorkerUnavailable``, so the caller fails the request but keeps the worker."""
     finished = False
+    if choice.guest:
+        request = dataclasses.replace(request, guest=True)
     gen = actor.generate.remote(request, choice.pulls, choice.donor_pulls)
     refs = aiter(gen)
     try:

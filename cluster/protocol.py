@@ -529,7 +529,7 @@ class Served:
                 "options": self.options, "pull_outcome": self.pull_outcome, "timings": self.timings}
 
 
-STAGES = ("ingress", "lease", "route", "engine_queue", "prefill", "overhead")
+STAGES = ("ttft", "ingress", "lease", "route", "engine_queue", "prefill", "overhead")  # the histogram's
 
 
 def stage_timings(received: float, built: float, first_at: float, lease_s: float | None, route_s: float | None,
@@ -538,17 +538,19 @@ def stage_timings(received: float, built: float, first_at: float, lease_s: float
     ingress: the request ``received``, its engine requests ``built``, its ``first_at`` output):
     ``ingress`` (body, tokenizer, validation), ``lease`` (the controller's admission and routing,
     a round trip from the ingress), ``route`` (of that, the router's choice: index lookup and
-    ranking), ``engine_ttft`` (the worker's engine, from taking the request to its first token:
-    waiting for a slot, a pull landing, the prefill) split into ``engine_queue`` and ``prefill``
+    ranking), ``engine_ttft`` (the worker's engine, from being handed the request to its first
+    token: waiting for the step in progress to end, for a slot or room, for a pull to land, and
+    the prefill) split into ``engine_queue`` and ``prefill``
     (the forward passes), ``overhead`` (the rest: the call to the worker, its pull planning, the
-    output's way back) and ``ttft`` (the whole, at the ingress). A stage not measured is None."""
+    output's way back; with no lease, as behind Serve's own routers in ``cluster.baselines``, the
+    routing too) and ``ttft`` (the whole, at the ingress). A stage not measured is None."""
     ttft = first_at - received
     out = {"ttft": ttft, "ingress": built - received, "lease": lease_s, "route": route_s,
            "engine_ttft": engine_ttft_s, "engine_queue": None, "prefill": prefill_s, "overhead": None}
     if engine_ttft_s is not None and prefill_s is not None:
         out["engine_queue"] = max(0.0, engine_ttft_s - prefill_s)
-    if lease_s is not None and engine_ttft_s is not None:
-        out["overhead"] = max(0.0, ttft - out["ingress"] - lease_s - engine_ttft_s)
+    if engine_ttft_s is not None:
+        out["overhead"] = max(0.0, ttft - out["ingress"] - (lease_s or 0.0) - engine_ttft_s)
     return {f"{k}_s": None if v is None else round(v, 4) for k, v in out.items()}
 
 

@@ -103,6 +103,9 @@ class RouteChoice:
     # ingress's round trip to the controller); the response's ``kvmesh.timings``
     route_s: float | None = None
     lease_s: float | None = None
+    # the worker is assigned to another tenant, which lends it: the request runs there as a guest,
+    # below the owner's priority classes (``PoolConfig.guests_yield``, ``Request.guest``)
+    guest: bool = False
 
 
 class Router(Protocol):

@@ -210,6 +210,7 @@ class AsyncEngine:
         """Stream outputs of one request; closing the iterator early aborts it (frees blocks)."""
         if self._error is not None:
             raise EngineDead(f"engine loop died: {self._error!r}")
+        arrival = time.perf_counter()  # the engine thread takes it between steps: that wait is queueing
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = (asyncio.get_running_loop(), q)
         finished = False
@@ -217,12 +218,13 @@ class AsyncEngine:
             # a guarded (latency_guard) tenant's request may cut short a lower-class step already
             # running: the engine thread sees the note between layers (engine/step_interrupt.py)
             quota = self.engine.pool.eviction.quota(request.tenant)
-            guarded = quota.priority if quota.latency_guard and self.engine.config.interrupt_for_guarded else None
+            guarded = (quota.priority if quota.latency_guard and not request.guest
+                       and self.engine.config.interrupt_for_guarded else None)
             arrivals = self.engine.arrivals
 
             def add(engine: LLMEngine):
                 try:
-                    engine.add_request(request)
+                    engine.add_request(request, arrival)
                 finally:
                     if guarded is not None:
                         arrivals.done(guarded)

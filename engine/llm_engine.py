@@ -213,7 +213,10 @@ class LLMEngine:
         group.choices.append(seq)
         return seq
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, arrival: float | None = None) -> None:
+        """Queue ``request``. ``arrival``: when it reached this engine (``perf_counter``; default
+        now), the start of its ``ttft_s``: a request that waited for the step in progress to be
+        added counts that wait as queueing (``AsyncEngine`` passes the time it was handed over)."""
         try:
             self.validate(request)
         except BaseException:
@@ -221,6 +224,8 @@ class LLMEngine:
             raise
         group = SeqGroup(request.params.n)
         seq = self._new_choice(request, group, 0)
+        if arrival is not None:
+            seq.arrival = arrival
         if request.params.prompt_logprobs is not None:
             seq.prompt_lp = [None] * seq.num_prompt
         self.seqs[request.request_id] = seq

@@ -15,8 +15,8 @@ Fairness (no head-of-line blocking by one long prompt):
     until it is (it cannot starve: ``LLMEngine.validate`` refused every request that could not
     fit this tenant's share of the pool even when idle, so it fits once running ones finish).
 
-Priority (tenant ``priority`` from ``policies.eviction.TenantQuota``; see
-``policies.prefill_priority``): while a higher priority class contends (has waiting or prefilling
+Priority (tenant ``priority`` from ``policies.eviction.TenantQuota``, a guest on a lent worker
+below every tenant's own class; see ``policies.prefill_priority``): while a higher priority class contends (has waiting or prefilling
 work now or within ``priority_hold_s``, or is configured with ``latency_guard``), the lower
 classes' prefill, running or newly admitted, gets at most ``low_priority_prefill_tokens`` tokens
 per step **all together** (FIFO among them), so a step carrying lower-priority prefill stays
@@ -66,7 +66,7 @@ from typing import Callable, Container
 
 from engine.kv_manager import KVManager
 from engine.sequence import Sequence, SequenceStatus
-from policies.prefill_priority import PriorityContention, throttled
+from policies.prefill_priority import PriorityContention, request_class, throttled
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class Scheduler:
         self.kv.release(seq)
 
     def priority(self, seq: Sequence) -> int:
-        return self.kv.pool.eviction.quota(seq.request.tenant).priority
+        return request_class(self.kv.pool.eviction.quota(seq.request.tenant).priority, seq.request.guest)
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         cfg = self.config

@@ -169,6 +169,9 @@ class Request:
     template_params: dict[str, str] | None = field(default=None, compare=False)
     remap_policy: str | None = None
     recompute_ratio: float | None = None
+    # Sent to a worker assigned to another tenant, which lent it (cluster.pool.WorkerPool.lendable):
+    # scheduled below every class of that worker's own tenants (policies.prefill_priority.request_class).
+    guest: bool = False
 
     @property
     def domain(self) -> str:

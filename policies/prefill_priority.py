@@ -27,6 +27,18 @@ from __future__ import annotations
 from typing import Iterable
 
 
+GUEST_BELOW = 1 << 20  # a guest's class is this far below its tenant's: under any configured priority
+
+
+def request_class(priority: int, guest: bool = False) -> int:
+    """A request's priority class: its tenant's ``priority``; a *guest* (a request on a worker
+    lent by the tenant it is assigned to, ``Request.guest``) goes below every configured class, so
+    the worker's own tenants contend against it as a higher class does (its prefill chunks capped
+    while they have work), while guests keep their tenants' order among themselves. A guest is
+    never guarded: it does not interrupt or displace the owner's steps."""
+    return priority - GUEST_BELOW if guest else priority
+
+
 class PriorityContention:
     def __init__(self, hold_s: float = 0.0):
         if hold_s < 0:

@@ -254,3 +254,19 @@ def test_attention_mask_follows_the_query_dtype():
     out = attend_with_context(q.bfloat16(), k.bfloat16(), v.bfloat16(), 34, 0.25)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_ttft_counts_from_when_the_request_reached_the_engine(tiny_model):
+    """``add_request(arrival=)``: the time a request waited to be added (the async engine adds
+    between steps) is part of its time to first token, not hidden before it."""
+    import time
+
+    eng = tiny_engine(tiny_model)
+    eng.add_request(Request("now", prompt(0, 20), GREEDY))
+    eng.add_request(Request("waited", prompt(1, 20), GREEDY), arrival=time.perf_counter() - 5.0)
+    firsts = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            firsts.setdefault(o.request_id, o)
+    assert firsts["waited"].ttft_s >= 5.0 > firsts["now"].ttft_s
+    assert firsts["waited"].prefill_s < 5.0  # forward time only: the wait is not prefill

@@ -257,7 +257,7 @@ def test_metrics_per_tenant(server):
     assert samples['kvmesh_prompt_tokens_total{tenant="globex"}'] > 0
     assert samples['kvmesh_cached_tokens_total{tenant="globex"}'] > 0
     assert samples['kvmesh_ttft_seconds_count{tenant="globex"}'] >= 2
-    for stage in ("ingress", "lease", "route", "engine_queue", "prefill", "overhead"):
+    for stage in ("ttft", "ingress", "lease", "route", "engine_queue", "prefill", "overhead"):
         assert samples[f'kvmesh_request_stage_seconds_count{{stage="{stage}",tenant="globex"}}'] >= 2
     assert 'kvmesh_queue_depth{tenant="globex"}' in samples
     # probes ask with HEAD first (aiperf's /metrics check, load balancers' /health): no 405

@@ -853,3 +853,57 @@ def test_a_holder_whose_kv_pool_is_full_spills_its_group_and_the_pool_learns_wha
     assert load.kv_tokens == 768 and len(load.kv_running) == 2
     assert choice.worker_id == other.worker_id and choice.route == "recomputed"
     assert choice.options[holder.worker_id]["kv_wait_s"] > 1.0
+
+
+def test_a_request_on_a_lent_worker_is_sent_there_as_a_guest():
+    """``PoolConfig.guests_yield`` (default): a request routed to a worker assigned to another
+    tenant carries ``Request.guest`` to the worker (its engine schedules it below the owner's
+    classes); on its own or a shared worker it does not; off, nobody is a guest."""
+    from cluster.pool import PoolConfig, WorkerPool, stream_outputs
+    from cluster.types import LeastLoadedRouter, WorkerState
+    from engine.sequence import Request, RequestOutput, SamplingParams
+
+    sent = []
+
+    class _Gen:
+        def __init__(self, out):
+            self.out = out
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if self.out is None:
+                raise StopAsyncIteration
+            out, self.out = self.out, None
+
+            async def ref():
+                return out
+            return ref()
+
+    class _Actor:
+        class generate:  # noqa: N801 - a Ray method's shape: generate.remote(...)
+            @staticmethod
+            def remote(request, pulls, donor_pulls):
+                sent.append(request)
+                return _Gen(RequestOutput(request.request_id, [1], "x", True, "length", 4, 0, 1))
+
+    def run(config, owner):
+        pool = WorkerPool(config, router=LeastLoadedRouter())
+        pool._ready.set()
+        pool.workers["w0"] = WorkerState("w0", _Actor(), info={}, tenant=owner)
+        req = Request(f"r{len(sent)}", (1, 2, 3, 4), SamplingParams(max_tokens=1), tenant="acme")
+
+        async def go():
+            ws, choice = await pool.acquire(req)
+            outs = [o async for o in stream_outputs(ws.actor, ws.worker_id, req, choice)]
+            pool.release(req.request_id)
+            return choice, outs
+        choice, outs = asyncio.run(go())
+        assert outs and outs[-1].finished
+        return choice.guest, sent[-1].guest
+
+    assert run(PoolConfig(), "globex") == (True, True)  # globex's worker, lent to acme
+    assert run(PoolConfig(), "acme") == (False, False)  # its own
+    assert run(PoolConfig(), None) == (False, False)  # shared
+    assert run(PoolConfig(guests_yield=False), "globex") == (False, False)

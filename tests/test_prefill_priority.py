@@ -211,3 +211,29 @@ def test_lower_classes_share_one_capped_chunk_per_step(tiny_model):
     # while hi contends (the fake clock stays within the hold), every step's lower-class prefill is <= 32
     assert lo_steps and all(p.get("lo-a", 0) * (p.get("lo-a", 0) > 1) + p.get("lo-b", 0) * (p.get("lo-b", 0) > 1)
                             <= 32 for p in lo_steps)
+
+
+def test_a_guest_on_a_lent_worker_yields_to_the_owner_of_equal_priority(tiny_model):
+    """``Request.guest`` (sent to a worker another tenant was assigned): below every tenant's own
+    class, so the owner's request arriving during the guest's long prefill caps it, as a higher
+    priority would; the same two tenants as equals share the budget (the running prefill's chunk
+    is only halved while a request waits)."""
+    quotas = {"owner": TenantQuota(priority=0), "visitor": TenantQuota(priority=0)}
+    for guest, expect in ((True, {"guest": 32, "own": 40}), (False, {"guest": 64, "own": 40})):
+        eng, clock, plans = engine(tiny_model, quotas=quotas)
+        g = req("guest", 60 * BS, "visitor", first=1)
+        eng.add_request(Request(g.request_id, g.prompt_ids, g.params, tenant=g.tenant, guest=guest))
+        eng.step()
+        assert plans[-1] == {"guest": 128}  # alone: the whole budget either way
+        eng.add_request(req("own", 40, "owner", first=80))
+        eng.step()
+        assert plans[-1] == expect
+        outputs(eng)
+
+
+def test_request_class_puts_guests_below_every_tenants_own_class():
+    from policies.prefill_priority import GUEST_BELOW, request_class
+
+    assert request_class(5) == 5 and request_class(5, guest=True) == 5 - GUEST_BELOW
+    assert request_class(100, guest=True) < request_class(-100)  # below any configured class
+    assert request_class(2, guest=True) > request_class(1, guest=True)  # guests keep their order

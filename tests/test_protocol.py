@@ -76,6 +76,9 @@ def test_stage_timings_split_the_time_to_first_token():
     # what was not measured stays None, and nothing derived from it is made up
     t = stage_timings(10.0, 10.0, 10.2, None, None, None, None)
     assert t["ttft_s"] == 0.2 and t["lease_s"] is None and t["engine_queue_s"] is None and t["overhead_s"] is None
+    # no lease (a Serve router chose the replica): the overhead is everything but the engine's
+    t = stage_timings(10.0, 10.01, 10.5, None, None, 0.4, 0.3)
+    assert t["lease_s"] is None and t["overhead_s"] == 0.09
     # clocks of two processes: a stage never reads negative
     t = stage_timings(10.0, 10.0, 10.2, 0.1, 0.05, 0.2, 0.25)
     assert t["overhead_s"] == 0.0 and t["engine_queue_s"] == 0.0
