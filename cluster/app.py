@@ -132,8 +132,9 @@ class AppSettings:
     # session 22), "never" (an assignment fences the others out)
     lend_workers: str = "unqueued"
     # a request on a lent worker runs below the owner's priority classes (Request.guest): the owner's
-    # requests arriving meanwhile cap its prefill chunks (engine/scheduler.py); false: equal classes
-    guests_yield: bool = True
+    # requests arriving meanwhile cap its prefill chunks (engine/scheduler.py); false (default, it
+    # measured slower for owners and guests alike, cluster/README session 23): its tenant's class
+    guests_yield: bool = False
 
     def __post_init__(self):
         for f in fields(self):  # a YAML "false" in quotes would read as true

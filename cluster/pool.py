@@ -89,8 +89,9 @@ class PoolConfig:
     # "unqueued" (no request waits there for its first token), "idle" (nothing in flight), "never"
     lend_workers: str = "unqueued"
     # a request on another tenant's (lent) worker runs there below the owner's priority classes
-    # (``Request.guest``): the owner's requests arriving meanwhile are not slowed by the guest's prefill
-    guests_yield: bool = True
+    # (``Request.guest``): the owner's requests arriving meanwhile cap the guest's prefill chunks.
+    # Off by default: on the cluster bench's multi-tenant mix it made every tenant slower (session 23)
+    guests_yield: bool = False
     # the router prices each worker's KV memory: a request waits for room in a full pool
     # (policies.routing.kv_use / kv_admission_s, CostAwareRouter.kv_memory); False: queue compute only
     router_kv_memory: bool = True

@@ -856,9 +856,9 @@ def test_a_holder_whose_kv_pool_is_full_spills_its_group_and_the_pool_learns_wha
 
 
 def test_a_request_on_a_lent_worker_is_sent_there_as_a_guest():
-    """``PoolConfig.guests_yield`` (default): a request routed to a worker assigned to another
-    tenant carries ``Request.guest`` to the worker (its engine schedules it below the owner's
-    classes); on its own or a shared worker it does not; off, nobody is a guest."""
+    """``PoolConfig.guests_yield``: a request routed to a worker assigned to another tenant
+    carries ``Request.guest`` to the worker (its engine schedules it below the owner's classes);
+    on its own or a shared worker it does not; off (the default), nobody is a guest."""
     from cluster.pool import PoolConfig, WorkerPool, stream_outputs
     from cluster.types import LeastLoadedRouter, WorkerState
     from engine.sequence import Request, RequestOutput, SamplingParams
@@ -903,7 +903,8 @@ def test_a_request_on_a_lent_worker_is_sent_there_as_a_guest():
         assert outs and outs[-1].finished
         return choice.guest, sent[-1].guest
 
-    assert run(PoolConfig(), "globex") == (True, True)  # globex's worker, lent to acme
-    assert run(PoolConfig(), "acme") == (False, False)  # its own
-    assert run(PoolConfig(), None) == (False, False)  # shared
-    assert run(PoolConfig(guests_yield=False), "globex") == (False, False)
+    on = PoolConfig(guests_yield=True)
+    assert run(on, "globex") == (True, True)  # globex's worker, lent to acme
+    assert run(on, "acme") == (False, False)  # its own
+    assert run(on, None) == (False, False)  # shared
+    assert run(PoolConfig(), "globex") == (False, False)
