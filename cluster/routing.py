@@ -37,7 +37,7 @@ from cluster.types import LeastLoadedRouter, RouteChoice, WorkerState
 from engine.sequence import Request
 from policies.placement import PlacementConfig, Placer
 from policies.replication import ReplicationConfig, ReplicationPolicy
-from policies.routing import KvFlight, WorkerLoad, kv_use, pull_deadline_s
+from policies.routing import KvFlight, WorkerLoad, held_prefix, kv_use, pull_deadline_s
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class CostAwareRouter:
                            for f in w.flights.values()]
                 running, waiting, held = kv_use(flights, tpot, self.block_size)
                 kv = dict(kv_tokens=num_blocks * self.block_size, kv_running=running, kv_waiting=waiting)
-                hit = sum(1 for b in blocks if b in held)
+                hit = held_prefix(blocks, held)
                 if hit:
                     shared[w.worker_id] = hit * self.block_size
             load = WorkerLoad(waiting_tokens=tuple(n for n in w.queued.values() if n), running=w.running, **kv)

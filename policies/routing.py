@@ -40,7 +40,7 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Literal, Mapping, Sequence
+from typing import Container, Iterable, Literal, Mapping, Sequence
 
 WorkerId = str
 NodeId = str
@@ -338,7 +338,7 @@ def kv_use(flights: Iterable[KvFlight], tpot_s: float, block_size: int) -> tuple
     tpot = max(tpot_s, 1e-6)
     flights = sorted(flights, key=lambda f: f.running_s is None)  # stable: routing order within each
     for f in flights:
-        shared = sum(1 for b in f.blocks if b in held)
+        shared = held_prefix(f.blocks, held)
         held.update(f.blocks)
         if f.running_s is None:
             own = kv_blocks(f.prompt_tokens + 1, block_size) - shared
@@ -353,6 +353,23 @@ def kv_use(flights: Iterable[KvFlight], tpot_s: float, block_size: int) -> tuple
             left = max(f.output_tokens * tpot - f.running_s, tpot * max(1, f.output_tokens // 4))
             running.append((own * block_size, round(left, 2)))
     return tuple(running), tuple(waiting), held
+
+
+def held_prefix(blocks: Sequence, held: Container) -> int:
+    """How many leading blocks of a prompt's chain hashes ``blocks`` are in ``held``. A chain hash
+    is held only together with every block before it (the same hash is the same prefix, and
+    ``held`` is made of whole prompts' chains), so this is a binary search: O(log n) lookups
+    instead of one per block (``kv_use`` runs per candidate worker per routed request, over every
+    request in flight there: at 256 in flight x 100 blocks on 8 workers the per-block count cost
+    ~14 ms a route)."""
+    lo, hi = 0, len(blocks)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if blocks[mid] in held:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def kv_blocks(tokens: int, block_size: int) -> int:

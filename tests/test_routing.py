@@ -455,6 +455,27 @@ def test_kv_use_counts_shared_blocks_once_and_ages_running_requests():
     assert held == set(p) | {"a", "b", "c"} | {f"q{i}" for i in range(18)}
 
 
+def test_held_prefix_counts_leading_chain_blocks_like_a_scan():
+    import random
+
+    from policies.routing import held_prefix
+
+    rng = random.Random(7)
+    for _ in range(300):
+        # prompts of a few groups: chains that share a leading run and then diverge for good
+        chains = []
+        for _ in range(rng.randint(0, 6)):
+            g, n, k = rng.randrange(3), rng.randint(0, 40), rng.randint(0, 40)
+            shared = tuple(f"g{g}-{i}" for i in range(min(n, k)))
+            chains.append(shared + tuple(f"u{rng.random()}-{i}" for i in range(n - len(shared))))
+        held = set().union(*chains) if chains else set()
+        g = rng.randrange(3)
+        new = tuple(f"g{g}-{i}" for i in range(rng.randint(0, 45))) + ("tail",)
+        scan = next((i for i, b in enumerate(new) if b not in held), len(new))
+        assert held_prefix(new, held) == scan
+    assert held_prefix((), {"x"}) == 0 and held_prefix(("a", "b"), {"a", "b"}) == 2
+
+
 def test_a_holder_whose_kv_pool_is_full_loses_to_a_recompute_on_a_worker_with_room():
     # A holds the prefix but its pool is full of requests decoding for 8 more seconds; its queue
     # alone (nothing waiting) says "no wait"
