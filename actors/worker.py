@@ -96,6 +96,12 @@ class Worker:
                                                               e.cache.head_dim, e.cache.dtype),
                 "node_id": self.node_id, "pid": os.getpid(), "num_blocks": e.pool.num_blocks}
 
+    async def calibrate(self, lengths: tuple[int, ...] | None = None) -> list[tuple[int, float]]:
+        """The engine's timed prefills of synthetic prompts (``LLMEngine.calibrate``), before this
+        worker serves: samples for the router's prefill fit."""
+        self._check_alive()
+        return await self.engine.call(lambda e: e.calibrate(*(() if lengths is None else (tuple(lengths),))))
+
     async def generate(self, request: Request, pulls: tuple[Pull, ...] = (), donor_pulls: tuple[DonorPull, ...] = ()):
         """Stream outputs. ``pulls`` (from the router) name holders of the prompt's prefix: their
         KV is fetched while the request waits in the engine's queue (admitted once it has landed);

@@ -135,6 +135,9 @@ class AppSettings:
     # requests arriving meanwhile cap its prefill chunks (engine/scheduler.py); false (default, it
     # measured slower for owners and guests alike, cluster/README session 23): its tenant's class
     guests_yield: bool = False
+    # each new worker times a short and a long synthetic prefill before it serves, and the router's
+    # prefill fit starts from them (LLMEngine.calibrate); false: from a prior made on another machine
+    calibrate_prefill: bool = True
 
     def __post_init__(self):
         for f in fields(self):  # a YAML "false" in quotes would read as true
@@ -199,7 +202,7 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                       auto_device=s.device is None, auto_dtype=s.dtype is None, ready_timeout_s=s.ready_timeout_s,
                       app=app, router_learn_decode=s.router_learn_decode, router_kv_memory=s.router_kv_memory,
                       router_idle_spill=s.router_idle_spill, lend_workers=s.lend_workers,
-                      guests_yield=s.guests_yield,
+                      guests_yield=s.guests_yield, calibrate_prefill=s.calibrate_prefill,
                       router_spill_needs_share=s.router_spill_needs_share, router_balance_ratio=s.router_balance_ratio,
                       router_place_tie=s.router_place_tie)
 

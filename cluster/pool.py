@@ -54,6 +54,7 @@ from cluster.types import (InFlight, LeastLoadedRouter, RouteChoice, Router, Wor
                            WorkerUnavailable)
 from engine.async_engine import EngineDead
 from engine.llm_engine import EngineConfig
+from engine.redact import describe_exc
 from engine.sequence import InvalidRequest, Request, RequestOutput
 from policies.autoscale import AutoscaleConfig, ScaleDecision, TenantAutoscaler, TenantDemand, TenantShare
 from policies.placement import PlacementConfig
@@ -92,6 +93,9 @@ class PoolConfig:
     # (``Request.guest``): the owner's requests arriving meanwhile cap the guest's prefill chunks.
     # Off by default: on the cluster bench's multi-tenant mix it made every tenant slower (session 23)
     guests_yield: bool = False
+    # a new worker times a short and a long synthetic prefill before it serves (LLMEngine.calibrate),
+    # and the router's prefill fit starts from those instead of a prior from another machine
+    calibrate_prefill: bool = True
     # the router prices each worker's KV memory: a request waits for room in a full pool
     # (policies.routing.kv_use / kv_admission_s, CostAwareRouter.kv_memory); False: queue compute only
     router_kv_memory: bool = True
@@ -232,9 +236,13 @@ class WorkerPool:
 
     async def _await_ready(self, ws: WorkerState) -> None:
         try:
-            ws.info = await asyncio.wait_for(_aref(ws.actor.ready.remote()), self.config.ready_timeout_s)
+            info = await asyncio.wait_for(_aref(ws.actor.ready.remote()), self.config.ready_timeout_s)
+            samples = await self._calibrate(ws) if self.config.cost_aware_routing else []
+            ws.info = info  # routable from here on
             if self.config.cost_aware_routing:
                 await self._join_cluster_routing(ws)
+                for n, seconds in samples:  # the router prices its first requests with its own speed
+                    self._router_client.report("report_prefill", ws.worker_id, n, seconds, 0)
             if self.config.health_interval_s > 0:
                 self._spawn_task(self._watch_worker(ws))
             self._ready.set()
@@ -243,6 +251,18 @@ class WorkerPool:
             self.error = f"worker {ws.worker_id} failed to start: {e!r}"
             log.error(self.error)
             self._mark_dead(ws)
+
+    async def _calibrate(self, ws: WorkerState) -> list[tuple[int, float]]:
+        """The worker's timed prefills (``Worker.calibrate``) before it is routable, when
+        ``PoolConfig.calibrate_prefill``; none if it cannot (an older worker, a timeout): the
+        router's fit then starts from its prior, as before."""
+        if not self.config.calibrate_prefill:
+            return []
+        try:
+            return list(await asyncio.wait_for(_aref(ws.actor.calibrate.remote()), self.config.ready_timeout_s))
+        except Exception as e:  # noqa: BLE001 - never keeps a worker from serving
+            log.warning("worker %s: prefill calibration skipped (%s)", ws.worker_id, describe_exc(e))
+            return []
 
     async def _join_cluster_routing(self, ws: WorkerState) -> None:
         """Publish the worker's blocks to the index, let it report measurements to the router,

@@ -27,14 +27,16 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.slot_pool import DonorPayload
 from engine.step_interrupt import ArrivalSignal, StepInterrupted
 from engine.step_trace import StepTrace
-from engine.sequence import (REUSE_MODES, InvalidRequest, Request, RequestOutput, SeqGroup, Sequence,
-                             SequenceStatus, TokenLogprob)
+from engine.sequence import (REUSE_MODES, InvalidRequest, Request, RequestOutput, SamplingParams, SeqGroup,
+                             Sequence, SequenceStatus, TokenLogprob)
 from engine.tokenizer import IncrementalDetokenizer
 from policies.eviction import TenantEvictionPolicy, TenantQuota
 from policies.prefill_priority import may_interrupt
 from policies.tenancy import read_label
 
 
+CALIBRATION_TENANT = "kvmesh-calibration"  # LLMEngine.calibrate's prompts (never cached, not counted)
+CALIBRATION_LENGTHS = (32, 256)  # prompt tokens it times: a short and a long prefill for a 3-term fit
 MAX_FAILED_STEPS = 3  # steps in a row failing every request in them: the engine is broken, not a request
 
 
@@ -821,6 +823,38 @@ class LLMEngine:
         return len(placed) * bs
 
     # -- conveniences ----------------------------------------------------------------------
+    def calibrate(self, lengths: tuple[int, ...] = CALIBRATION_LENGTHS) -> list[tuple[int, float]]:
+        """``(prompt tokens, prefill seconds)`` of synthetic prompts of ``lengths`` tokens, each run
+        alone, after an untimed one of the smallest length that warms the model up (a first forward
+        pays one-time costs). For the router's prefill fit before any request: a prior fitted to
+        another machine prices a new worker's first requests several times too fast or too slow
+        (the cluster bench, session 23: 0.6 s expected for cold prompts that took 2 s on 0.4-core
+        hosts). Call while the engine is idle (before it serves). Leaves no trace: the prompts are
+        not cached (``reuse`` "none"), their tenant's metrics and the steps are not counted, the step
+        trace is paused. A length the pool or context cannot hold is skipped."""
+        if not lengths:
+            return []
+        vocab = int(self.loaded.model.config.vocab_size)
+        steps, had_metrics = self.num_steps, CALIBRATION_TENANT in self.tenant_metrics
+        out: list[tuple[int, float]] = []
+        with self.trace.paused():
+            for i, n in enumerate((min(lengths), *lengths)):
+                n = min(n, self.max_model_len - 2)
+                ids = tuple(3 + (k * 7919 + i * 104729) % max(1, vocab - 3) for k in range(n))
+                req = Request(f"kvmesh-calibration-{i}", ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+                              tenant=CALIBRATION_TENANT, reuse="none")
+                try:
+                    outs = self.generate([req])[req.request_id]
+                except InvalidRequest:
+                    continue
+                first = next((o for o in outs if o.prefill_s is not None), None)
+                if i > 0 and first is not None:
+                    out.append((n, float(first.prefill_s)))
+        self.num_steps = steps
+        if not had_metrics:
+            self.tenant_metrics.pop(CALIBRATION_TENANT, None)
+        return out
+
     def generate(self, requests: list[Request]) -> dict[str, list[RequestOutput]]:
         """Run requests to completion together (continuous batching); outputs per request."""
         for r in requests:

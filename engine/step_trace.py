@@ -14,6 +14,7 @@ are dropped).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -37,6 +38,15 @@ class StepTrace:
     @property
     def on(self) -> bool:
         return self._f is not None
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Nothing is traced inside (the engine's own calibration is no workload)."""
+        f, self._f = self._f, None
+        try:
+            yield
+        finally:
+            self._f = f
 
     def add(self, request_id: str, tenant: str, prompt: int, running: int, waiting: int) -> None:
         if self._f is None:

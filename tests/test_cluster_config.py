@@ -65,6 +65,8 @@ def test_the_routers_decode_learning_is_an_app_argument_that_reaches_the_pool():
     assert pool_config(AppSettings.from_args({}), tenants).router_kv_memory is True
     assert pool_config(AppSettings.from_args({"router_kv_memory": False}), tenants).router_kv_memory is False
     assert pool_config(AppSettings.from_args({}), tenants).guests_yield is False
+    assert pool_config(AppSettings.from_args({}), tenants).calibrate_prefill is True
+    assert pool_config(AppSettings.from_args({"calibrate_prefill": False}), tenants).calibrate_prefill is False
     assert pool_config(AppSettings.from_args({"guests_yield": True}), tenants).guests_yield is True
     with pytest.raises(ValueError, match="guests_yield must be true or false"):
         AppSettings.from_args({"guests_yield": "false"})  # quoted in YAML: a string, not a bool

@@ -270,3 +270,19 @@ def test_ttft_counts_from_when_the_request_reached_the_engine(tiny_model):
             firsts.setdefault(o.request_id, o)
     assert firsts["waited"].ttft_s >= 5.0 > firsts["now"].ttft_s
     assert firsts["waited"].prefill_s < 5.0  # forward time only: the wait is not prefill
+
+
+def test_calibrate_times_prefills_and_leaves_no_trace(tiny_model):
+    """``LLMEngine.calibrate``: one sample per length (after an untimed warm-up), nothing cached,
+    no tenant or step counted, and the engine serves exactly as before."""
+    from engine.llm_engine import CALIBRATION_TENANT
+
+    eng = tiny_engine(tiny_model)
+    ref = output_ids(tiny_engine(tiny_model).generate([Request("r", prompt(0, 40), GREEDY)])["r"])
+    samples = eng.calibrate((16, 64))
+    assert [n for n, _ in samples] == [16, 64] and all(s > 0 for _, s in samples)
+    assert eng.num_steps == 0 and CALIBRATION_TENANT not in eng.stats()["tenants"]
+    assert eng.pool.num_free_blocks() == eng.pool.num_blocks and not eng.seqs
+    assert output_ids(eng.generate([Request("r", prompt(0, 40), GREEDY)])["r"]) == ref
+    assert eng.calibrate(()) == []
+    assert [n for n, _ in eng.calibrate((10_000,))] == [eng.max_model_len - 2]  # clipped to the context

@@ -908,3 +908,52 @@ def test_a_request_on_a_lent_worker_is_sent_there_as_a_guest():
     assert run(on, "acme") == (False, False)  # its own
     assert run(on, None) == (False, False)  # shared
     assert run(PoolConfig(), "globex") == (False, False)
+
+
+def test_a_new_worker_is_calibrated_before_it_is_routable_and_the_router_gets_the_samples(monkeypatch):
+    """``PoolConfig.calibrate_prefill`` (default): between ``ready`` and becoming routable the pool
+    asks the worker for its timed prefills and reports them to the router; a worker that cannot
+    calibrate still serves; off, nobody is asked."""
+    from cluster.pool import PoolConfig, WorkerPool
+    from cluster.types import WorkerState
+
+    def run(config, calibrate):
+        pool = WorkerPool(config)
+        seen = {}
+
+        async def coro(v):
+            return v
+
+        class _Actor:
+            class ready:  # noqa: N801 - a Ray method's shape
+                @staticmethod
+                def remote():
+                    return coro({"node_id": "n", "block_size": 16})
+
+        class _Calibrating(_Actor):
+            class calibrate:  # noqa: N801
+                @staticmethod
+                def remote():
+                    seen["routable_while_calibrating"] = ws.routable
+                    if calibrate == "fails":
+                        raise RuntimeError("engine loop died")
+                    return coro([(32, 0.25), (256, 1.75)])
+
+        ws = WorkerState("w0", _Calibrating() if calibrate else _Actor())
+        pool.workers["w0"] = ws
+        client = _FakeClient(None)
+
+        async def join(w):
+            pool._router_client = client
+        monkeypatch.setattr(pool, "_join_cluster_routing", join)
+        asyncio.run(pool._await_ready(ws))
+        assert ws.routable
+        return seen.get("routable_while_calibrating"), [r for r in client.reports if r[0] == "report_prefill"]
+
+    cfg = PoolConfig(health_interval_s=0)
+    routable, reports = run(cfg, True)
+    assert routable is False  # not routed to while it calibrates
+    assert reports == [("report_prefill", "w0", 32, 0.25, 0), ("report_prefill", "w0", 256, 1.75, 0)]
+    assert run(cfg, "fails") == (False, [])  # no samples: the prior, as before
+    assert run(cfg, False) == (None, [])  # a worker without the method (older): still serves
+    assert run(PoolConfig(health_interval_s=0, calibrate_prefill=False), True) == (None, [])
