@@ -100,7 +100,7 @@ class Worker:
         """The engine's timed prefills of synthetic prompts (``LLMEngine.calibrate``), before this
         worker serves: samples for the router's prefill fit."""
         self._check_alive()
-        return await self.engine.call(lambda e: e.calibrate(*(() if lengths is None else (tuple(lengths),))))
+        return await self.engine.call(lambda e: e.calibrate(lengths))
 
     async def generate(self, request: Request, pulls: tuple[Pull, ...] = (), donor_pulls: tuple[DonorPull, ...] = ()):
         """Stream outputs. ``pulls`` (from the router) name holders of the prompt's prefix: their

@@ -540,10 +540,10 @@ def stage_timings(received: float, built: float, first_at: float, lease_s: float
     a round trip from the ingress), ``route`` (of that, the router's choice: index lookup and
     ranking), ``engine_ttft`` (the worker's engine, from being handed the request to its first
     token: waiting for the step in progress to end, for a slot or room, for a pull to land, and
-    the prefill) split into ``engine_queue`` and ``prefill``
-    (the forward passes), ``overhead`` (the rest: the call to the worker, its pull planning, the
-    output's way back; with no lease, as behind Serve's own routers in ``cluster.baselines``, the
-    routing too) and ``ttft`` (the whole, at the ingress). A stage not measured is None."""
+    the prefill) split into ``engine_queue`` and ``prefill`` (the forward passes), ``overhead``
+    (the rest: the call to the worker, its pull planning, the output's way back; with no lease,
+    as behind Serve's own routers in ``cluster.baselines``, the routing too) and ``ttft`` (the
+    whole, at the ingress). A stage not measured is None."""
     ttft = first_at - received
     out = {"ttft": ttft, "ingress": built - received, "lease": lease_s, "route": route_s,
            "engine_ttft": engine_ttft_s, "engine_queue": None, "prefill": prefill_s, "overhead": None}

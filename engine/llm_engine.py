@@ -823,8 +823,9 @@ class LLMEngine:
         return len(placed) * bs
 
     # -- conveniences ----------------------------------------------------------------------
-    def calibrate(self, lengths: tuple[int, ...] = CALIBRATION_LENGTHS) -> list[tuple[int, float]]:
-        """``(prompt tokens, prefill seconds)`` of synthetic prompts of ``lengths`` tokens, each run
+    def calibrate(self, lengths: tuple[int, ...] | None = None) -> list[tuple[int, float]]:
+        """``(prompt tokens, prefill seconds)`` of synthetic prompts of ``lengths`` tokens (None:
+        ``CALIBRATION_LENGTHS``), each run
         alone, after an untimed one of the smallest length that warms the model up (a first forward
         pays one-time costs). For the router's prefill fit before any request: a prior fitted to
         another machine prices a new worker's first requests several times too fast or too slow
@@ -832,6 +833,7 @@ class LLMEngine:
         hosts). Call while the engine is idle (before it serves). Leaves no trace: the prompts are
         not cached (``reuse`` "none"), their tenant's metrics and the steps are not counted, the step
         trace is paused. A length the pool or context cannot hold is skipped."""
+        lengths = CALIBRATION_LENGTHS if lengths is None else tuple(lengths)
         if not lengths:
             return []
         vocab = int(self.loaded.model.config.vocab_size)
@@ -841,8 +843,8 @@ class LLMEngine:
             for i, n in enumerate((min(lengths), *lengths)):
                 n = min(n, self.max_model_len - 2)
                 ids = tuple(3 + (k * 7919 + i * 104729) % max(1, vocab - 3) for k in range(n))
-                req = Request(f"kvmesh-calibration-{i}", ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
-                              tenant=CALIBRATION_TENANT, reuse="none")
+                params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+                req = Request(f"kvmesh-calibration-{i}", ids, params, tenant=CALIBRATION_TENANT, reuse="none")
                 try:
                     outs = self.generate([req])[req.request_id]
                 except InvalidRequest:

@@ -234,10 +234,9 @@ class Scheduler:
             else:
                 n = min(n, max(1, budget - reserve))
             if self.kv.blocks_needed(seq, len(hit) * self.kv.block_size + n, hit) > self.kv.pool.num_free_blocks():
+                passed.append(seq)  # (also for held_back: no room)
                 if self._bypassed.get(seq, 0) >= cfg.max_bypass:
-                    passed.append(seq)  # (for held_back: no room)
                     break  # passed over often enough: it goes next, nothing behind it goes first
-                passed.append(seq)
                 continue
             if any(self._bypassed.get(p, 0) >= cfg.max_bypass for p in passed):
                 break  # one passed over often enough goes next
