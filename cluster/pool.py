@@ -242,7 +242,7 @@ class WorkerPool:
             if self.config.cost_aware_routing:
                 await self._join_cluster_routing(ws)
                 for n, seconds in samples:  # the router prices its first requests with its own speed
-                    self._router_client.report("report_prefill", ws.worker_id, n, seconds, 0)
+                    self._report_prefill(ws, (n, seconds, 0))
             if self.config.health_interval_s > 0:
                 self._spawn_task(self._watch_worker(ws))
             self._ready.set()
@@ -484,11 +484,23 @@ class WorkerPool:
             self._router_replacing = False
 
     def _router_restarted(self) -> None:
-        """The router actor came back empty: re-register the workers and resend the loads."""
+        """The router actor came back empty: re-register the workers, resend the loads and replay
+        each worker's last prefill samples (its calibration among them), so that the new router
+        prices its first requests with the workers' measured speed instead of its prior."""
         log.warning("router actor restarted: re-registering %d workers", len(self.workers))
         if isinstance(self.router, CostAwareRouter):
             self.router.forget_published()
         self.sync_router(force=True)
+        for ws in self.workers.values():
+            if ws.routable:
+                for sample in ws.prefill_samples:
+                    self._router_client.report("report_prefill", ws.worker_id, *sample)
+
+    def _report_prefill(self, ws: WorkerState, sample: tuple[int, float, int]) -> None:
+        """Report a measured prefill ``(computed tokens, seconds, cached tokens)`` of ``ws`` to
+        the router and keep it for a replay (``_router_restarted``)."""
+        ws.prefill_samples.append(tuple(sample))
+        self._router_client.report("report_prefill", ws.worker_id, *sample)
 
     async def _apply(self, decision: ScaleDecision) -> None:
         self.last_decision = decision
@@ -607,14 +619,14 @@ class WorkerPool:
         f = self._flights.get(request_id)
         if f is None:
             return
-        if not f.started and self._router_client is not None:
-            if f.expected_ttft_s is not None and ttft_s is not None:
-                self._router_client.report("report_outcome", route or f.route, f.expected_ttft_s, ttft_s,
-                                           f.worker_id, f.running_at_route, f.decode_wait_s)
-            if prefill is not None:
-                self._router_client.report("report_prefill", f.worker_id, *prefill)
         if not f.started:
             ws = self.workers.get(f.worker_id)
+            if self._router_client is not None:
+                if f.expected_ttft_s is not None and ttft_s is not None:
+                    self._router_client.report("report_outcome", route or f.route, f.expected_ttft_s, ttft_s,
+                                               f.worker_id, f.running_at_route, f.decode_wait_s)
+                if prefill is not None and ws is not None:
+                    self._report_prefill(ws, prefill)
             if ws is not None and ws.queued.pop(request_id, None) is not None:
                 ws.running += 1
             f.started_at = time.monotonic()

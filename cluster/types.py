@@ -10,10 +10,14 @@ not dead.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from engine.sequence import Request
+
+
+PREFILL_REPLAY = 128  # = policies.routing.CostConfig.window: the samples a prefill fit uses
 
 
 class WorkerUnavailable(RuntimeError):
@@ -72,6 +76,9 @@ class WorkerState:
     flights: dict[str, InFlight] = field(default_factory=dict)
     tpot_s: float | None = None
     output_tokens: float | None = None
+    # the prefill samples reported for this worker (calibration, then measured requests), newest
+    # last, as many as the router's fit keeps: replayed to a router that restarted empty
+    prefill_samples: deque = field(default_factory=lambda: deque(maxlen=PREFILL_REPLAY))
 
     @property
     def routable(self) -> bool:

@@ -212,6 +212,10 @@ def test_router_actor_restarts_and_the_pool_re_registers_its_workers():
         pool.sync_router(force=True)  # ... but a forced sync (a restart seen) does
         assert ray.get(router.estimates.remote())["nodes"] == {"w0": "n0", "w1": "n1"}
         assert ray.get(router.sync_workers.remote({"w0": "n0"})) == 0  # idempotent
+        for sample in [(32, 0.3, 0), (256, 2.0, 0), (40, 0.4, 512)]:  # w0's calibration and a request
+            pool._report_prefill(pool.workers["w0"], sample)
+        fitted = ray.get(router.estimates.remote())["prefill"]
+        assert fitted["w0"] != fitted["w1"]  # w0 fitted to its samples, w1 on the prior
 
         # with coalesced reports the pool notices a restart from the epoch of the next answer
         async def rank_after_restart():
@@ -225,9 +229,11 @@ def test_router_actor_restarts_and_the_pool_re_registers_its_workers():
                 assert time.monotonic() < deadline, "the router actor did not come back"
                 await asyncio.sleep(0.2)
             await asyncio.sleep(0.3)  # the forced sync rides on the next flush (flush_s)
-            return ray.get(router.estimates.remote())["nodes"]
+            return ray.get(router.estimates.remote())
 
-        assert asyncio.run(rank_after_restart()) == {"w0": "n0", "w1": "n1"}
+        est = asyncio.run(rank_after_restart())
+        assert est["nodes"] == {"w0": "n0", "w1": "n1"}
+        assert est["prefill"] == fitted  # w0's samples replayed: the same fit, not the prior
         assert client.calls >= 2
         ray.kill(router)
     finally:
