@@ -17,7 +17,7 @@ import importlib.util
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -185,7 +185,13 @@ def prefault(model: torch.nn.Module) -> int:
 def load_model(spec: str | None = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
     """Load a supported model for kvmesh's engine (eval mode, no grad)."""
     if spec == TINY_MODEL:
-        return tiny_llama()
+        loaded = tiny_llama()
+        if dtype == torch.float32 and device == "cpu":
+            return loaded
+        # the same random weights, cast and moved: the engine's cache follows the config's dtype and
+        # device, so a model left in float32 on the CPU failed every forward (bfloat16 / cuda tests)
+        loaded.model.to(device=device, dtype=dtype)
+        return replace(loaded, model_id=f"{loaded.model_id}:{str(dtype).removeprefix('torch.')}")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     name, path = resolve_model_dir(spec)

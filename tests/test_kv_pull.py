@@ -317,3 +317,32 @@ def test_chunked_pull_imports_in_order_and_stops_at_the_first_missing_chunk(tiny
     finally:
         if started:
             ray.shutdown()
+
+
+def test_bfloat16_engines_on_cpu_share_and_pull_a_prefix():
+    """``dtype: bfloat16`` on a CPU (the fast path on AMX hosts, ``bench/dtype.py``): the cache
+    is hit and a pulled prefix lands bit for bit, so the puller answers exactly as the holder
+    does from its own cache (both compute the same suffix on the same KV)."""
+    import torch
+
+    from engine.model_loader import load_model
+
+    loaded = load_model("tiny-llama", dtype=torch.bfloat16)
+    assert loaded.model_id.endswith(":bfloat16") and next(loaded.model.parameters()).dtype == torch.bfloat16
+    cfg = EngineConfig(model="tiny-llama", num_blocks=64, max_num_batched_tokens=256, dtype="bfloat16")
+    a, b = LLMEngine(cfg, loaded=loaded), LLMEngine(cfg, loaded=loaded)
+    assert a.cache.k[0].dtype == torch.bfloat16
+    a.generate([Request("warm", PREFIX + (9, 9, 9), GREEDY, tenant="t1")])
+    prompt = PREFIX + (5, 6, 7, 8)
+    held = a.generate([Request("a", prompt, GREEDY, tenant="t1")])["a"]
+    assert held[-1].num_cached_tokens == 64
+    req = Request("b", prompt, GREEDY, tenant="t1")
+    chains = b.prompt_chains(req)
+    data = a.export_prefix(chains, 0, 4)
+    assert data.dtype == "bfloat16" and data.num_blocks == 4
+    assert b.import_prefix(data, 0, chains, "t1") == 64
+    pulled = b.generate([req])["b"]
+    assert pulled[-1].num_cached_tokens == 64
+    assert ids(pulled) == ids(held) and len(ids(pulled)) == GREEDY.max_tokens
+    a.pool.check_invariants()
+    b.pool.check_invariants()
