@@ -96,6 +96,14 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     finish in seconds; counted, the term scattered new groups by the moment's decode load and cost
     4-7% of the throughput at the highest replayed rates (0.04-0.06 req/s; cluster/README,
     Placement, session 13).
+  * **a pool is not filled with prefixes** (``prefix_fill``, ``fill_slack``). A new prefix (or a
+    spill's copy) goes only to workers whose prefixes (``ShadowCache.prefix_blocks``: blocks a
+    second prompt asked for, or that a new group's first prompt brought; not the questions asked
+    once) stay within 90% of the pool after it, when one of them is within 4 of the prompt's
+    prefills of the fastest. A worker whose pool its groups' prefixes fill evicts their tails for
+    its own requests' blocks, for as long as those groups live (the cluster bench, session 24: a
+    worker given a 4th 512-token group in a 2,048-token pool served 96-304 of 512 prefix tokens
+    from cache; such runs read kvmesh / affinity 0.46-0.84).
   * ties within ``tie_ratio``/``tie_abs_s`` of the best TTFT (for a new prefix, also within
     ``place_tie`` x its own prefill: where a group lands decides where its later requests go, so
     a host 10% faster now is worth less than balance) are broken by headroom: fewest warm
@@ -190,6 +198,18 @@ class PlacementConfig:
     # margin by this many of the prompt's own prefills more (a swamped holder; None: never). The
     # replay's steady, fresh and hot workloads never reach it (1, 2 and 4 read identical to never)
     minor_spill_prefills: float | None = 1.0
+    # a new prefix, or a spill's copy, stays off a worker whose prefix blocks
+    # (``ShadowCache.prefix_blocks``) would then exceed this share of its pool while another worker
+    # has room: the rest of the pool is its requests' own blocks (prompt tails, outputs), which
+    # otherwise evict the tails of its prefixes. The cluster bench (pools of four 512-token
+    # prefixes, 12 groups on 4 workers): the runs that left one worker with four groups (7, sessions
+    # 16-24) had kvmesh / affinity 0.46-0.84 at equal p99, the runs with 3/3/3/3 0.44-1.94 (median
+    # 1.07), and that worker's requests found 96-304 of 512 prefix tokens cached. A worker with room
+    # is taken when its TTFT is within ``fill_slack`` x the prompt's prefill of the fastest: the
+    # wait is paid once, an overfull pool for as long as its groups live. ``prefix_fill`` >= 1: off
+    prefix_fill: float = 0.9
+    fill_slack: float = 4.0
+    fill_spills: bool = True  # the guard applies to spill and balance copies too (not only to new prefixes)
 
 
 TTFT_ONLY = PlacementConfig(spill_ratio=0.0, spill_abs_s=0.0, evict_weight=0.0, compute_weight=0.0)
@@ -214,6 +234,10 @@ class ShadowCache:
         self.capacity = capacity_blocks
         self._lru: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()  # key -> (inserted, last used)
         self.shared = 0  # keys a later prompt may ask for (not private): the prefixes it holds
+        # of those, the keys that are a prefix (``prefix_blocks``): asked for by a second request, or
+        # routed by a prompt that matched nothing here (a new group's first request); not the new
+        # tail blocks of a prompt that matched (a user's question: asked for once, then cold)
+        self._prefix: set[Hashable] = set()
         self.evicted = 0
         self.on_evict = on_evict  # (key, its last use, now) for every key the LRU drops
 
@@ -234,10 +258,19 @@ class ShadowCache:
         """A request routed here uses ``chain`` and ``private_blocks`` blocks nobody shares
         (its unshared tail, its output). The engine frees tail blocks first, so they become
         older than the shared prefix, whose first block is the most recent."""
+        seed = self.match(chain) == 0
         for _ in range(private_blocks):
             self._put((_PRIVATE, next(self._anon)), now)
         for key in reversed(chain):
+            if seed or key in self._lru:
+                self._prefix.add(key)
             self._put(key, now)
+
+    @property
+    def prefix_blocks(self) -> int:
+        """Blocks of prefixes it holds that prompts share (see ``_prefix``): what a new group's
+        prefix competes with for room (``WorkerView.fits``)."""
+        return len(self._prefix)
 
     def _put(self, key: Hashable, now: float) -> None:
         old = self._lru.pop(key, None)
@@ -246,6 +279,7 @@ class ShadowCache:
         while len(self._lru) > self.capacity:
             gone, (_, used) = self._lru.popitem(last=False)
             self.shared -= not _private(gone)
+            self._prefix.discard(gone)
             self.evicted += 1
             if self.on_evict is not None:
                 self.on_evict(gone, used, now)
@@ -258,6 +292,7 @@ class ShadowCache:
             if ent is not None and ent[0] < now - lag_s:
                 del self._lru[key]
                 self.shared -= 1
+                self._prefix.discard(key)
 
     def eviction_cost(self, new_blocks: int, now: float, warm_s: float,
                       held_elsewhere: Callable[[Hashable], bool] | None = None) -> tuple[int, int, float]:
@@ -367,6 +402,13 @@ class WorkerView:
     wait_avg_s: float = 0.0  # its queue wait (the cost model's), averaged over ``balance_tau_s``
     shared_blocks: int = 0  # blocks of prefixes it holds (its shadow cache's, private blocks not counted)
     running: int = 0  # sequences past their first token there (decoding)
+    prefix_blocks: int = 0  # of its shared blocks, those of prefixes prompts share (``ShadowCache.prefix_blocks``)
+    capacity: int = 0  # its pool in blocks (its shadow cache's); 0: unknown
+
+    def fits(self, new_blocks: int, fill: float) -> bool:
+        """Whether ``new_blocks`` more prefix blocks keep its prefixes within ``fill`` of its pool
+        (``PlacementConfig.prefix_fill``); True when the pool's size is unknown or ``fill`` >= 1."""
+        return fill >= 1.0 or self.capacity <= 0 or self.prefix_blocks + max(0, new_blocks) <= fill * self.capacity
 
     @property
     def reused(self) -> int:
@@ -484,8 +526,13 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
         balance = not spill and best_h.worker in over and best_h_s > best_eff + c.tie_abs_s
         if spill or balance:
             limit = best_eff + max(c.tie_abs_s, c.tie_ratio * best_eff)
-            v = min((v for v in views if eff[v.worker] <= limit + 1e-12), key=headroom)
-            return Placement(v.worker, "spill" if spill else "balance", v)
+            # a copy does not fill a worker's pool with prefixes (``prefix_fill``)
+            targets = [v for v in views if eff[v.worker] <= limit + 1e-12
+                       and (v in holders or not c.fill_spills
+                            or v.fits(usable_blocks - v.local_blocks, c.prefix_fill))]
+            if targets:
+                v = min(targets, key=headroom)
+                return Placement(v.worker, "spill" if spill else "balance", v)
         # a group whose share of the traffic is worth one more holder: as many holders as its share
         # of the workers (a hot group; not one of many whose few requests lately happen to weigh)
         hot = share_w is not None and share_w >= len(holders) + c.idle_share_margin
@@ -499,6 +546,13 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
     # evictions, overload, prefixes held, load)
     ttft = {v.worker: v.ttft_s - (0.0 if c.place_counts_decode else v.decode_s) for v in views}
     fastest = min(ttft.values())
+    # only workers whose pools keep room for their requests' blocks after taking the prefix, when
+    # one of them is within ``fill_slack`` prefills of the fastest (``prefix_fill``)
+    room = [v for v in views if v.fits(usable_blocks - v.local_blocks, c.prefix_fill)]
+    if room and len(room) < len(views):
+        best_room = min(ttft[v.worker] for v in room)
+        if best_room <= fastest + max(c.place_abs_s, c.fill_slack * prompt_prefill_s) + 1e-12:
+            views, fastest = room, best_room
     slack = max(c.place_abs_s, c.place_slack * prompt_prefill_s)
     eligible = [v for v in views if ttft[v.worker] <= fastest + slack + 1e-12]
     cost = {v.worker: ttft[v.worker] + charge * v.eviction[0] for v in eligible}
@@ -537,6 +591,7 @@ class Placer:
             if s is not None:
                 for k, v in s._lru.items():
                     fresh._put(k, v[1])
+                fresh._prefix = {k for k in s._prefix if k in fresh._lru}
             s = self.shadows[worker] = fresh
         return s
 
@@ -645,7 +700,7 @@ class Placer:
             wait = self.observe_wait(w, cand.wait_s, now) if cand is not None else 0.0
             out.append(WorkerView(w, ttft, have, cost, loads.get(w, 0.0), order[w], cand, reused,
                                   self.group_share(w, groups or {key}, now), wait, shadow.shared,
-                                  (running or {}).get(w, 0)))
+                                  (running or {}).get(w, 0), shadow.prefix_blocks, shadow.capacity))
         return out
 
     def count_routed(self, worker: WorkerId, key: bytes, now: float) -> None:

@@ -957,3 +957,40 @@ def test_a_new_worker_is_calibrated_before_it_is_routable_and_the_router_gets_th
     assert run(cfg, "fails") == (False, [])  # no samples: the prior, as before
     assert run(cfg, False) == (None, [])  # a worker without the method (older): still serves
     assert run(PoolConfig(health_interval_s=0, calibrate_prefill=False), True) == (None, [])
+
+
+def test_the_shadow_counts_prefixes_not_the_questions_asked_once():
+    """``ShadowCache.prefix_blocks``: a new group's first prompt counts whole; a later prompt of
+    the group adds only its matched blocks (already counted), not its new tail (a user's question,
+    asked once), unless a later prompt asks for that tail too; eviction and reconcile drop them."""
+    s = ShadowCache(64)
+    system = [b"s%d" % i for i in range(8)]
+    s.touch(system + [b"q0"], private_blocks=1, now=0.0)
+    assert s.prefix_blocks == 9 and s.shared == 9
+    for i in range(1, 4):
+        s.touch(system + [b"q%d" % i], private_blocks=1, now=float(i))
+    assert s.prefix_blocks == 9 and s.shared == 12  # three questions held, none a prefix
+    s.touch(system + [b"q2", b"more"], private_blocks=0, now=5.0)  # q2 asked again (a second turn)
+    assert s.prefix_blocks == 10
+    s.reconcile(system + [b"q2"], 8, now=100.0, lag_s=30.0)  # the index no longer shows q2
+    assert s.prefix_blocks == 9
+    small = ShadowCache(10)
+    small.touch(system, private_blocks=0, now=0.0)
+    small.touch([b"x%d" % i for i in range(6)], private_blocks=0, now=1.0)  # evicts 4 of system
+    assert small.prefix_blocks == 10 and len(small) == 10
+
+
+def test_a_new_group_stays_off_a_worker_its_prefix_would_fill():
+    """``prefix_fill``: a worker whose prefixes would take more than 90% of its pool after the new
+    one is passed over for one with room, while that one is within ``fill_slack`` prefills of the
+    fastest; beyond that, or with the guard off, the usual rule (fastest within the slack)."""
+    def v(w, ttft, prefixes, rank):
+        return WorkerView(w, ttft, 0, (0, 0, -10.0), 0.0, rank, prefix_blocks=prefixes, capacity=128)
+
+    full, roomy = v("w0", 0.5, 96, 0), v("w1", 2.0, 64, 1)  # 96 + 34 > 115; 64 + 34 fits
+    assert choose([full, roomy], 34, 1.0).worker == "w1"  # 1.5 s slower: within 4 prefills
+    assert choose([full, v("w1", 6.0, 64, 1)], 34, 1.0).worker == "w0"  # 5.5 s slower: beyond them
+    assert choose([full, roomy], 34, 1.0, PlacementConfig(prefix_fill=1.0)).worker == "w0"  # off
+    assert choose([full, v("w1", 0.5, 96, 1)], 34, 1.0).worker in ("w0", "w1")  # nobody has room: as before
+    unknown = WorkerView("w0", 0.5, 0, (0, 0, -10.0), 0.0, 0, prefix_blocks=96)  # capacity unknown: fits
+    assert choose([unknown, roomy], 34, 1.0).worker == "w0"
