@@ -124,6 +124,10 @@ class AppSettings:
     # go to the worker holding the fewest prefixes (PlacementConfig.place_tie, default 0.25); 1 spreads
     # groups evenly where prefills are slow (cluster/README, Placement, session 19)
     router_place_tie: float | None = None
+    # a new prefix group (or a spill's copy) stays off workers whose shared prefixes would then fill
+    # more than this share of their KV pool while a worker with room is within a few prefills
+    # (PlacementConfig.prefix_fill, default 0.9); 1: off (cluster/README, session 24)
+    router_prefix_fill: float | None = None
     # a prefix block reused within this many seconds is evicted after requests' unshared tails
     # (EngineConfig.cache_protect_s, policies/eviction.py); 0: plain LRU
     cache_protect_s: float = 60.0
@@ -153,6 +157,8 @@ class AppSettings:
             raise ValueError("cache_protect_s must be >= 0 (0: plain LRU)")
         if self.import_hold_s < 0:
             raise ValueError("import_hold_s must be >= 0 (0: pulled KV is not held)")
+        if self.router_prefix_fill is not None and not 0 < self.router_prefix_fill <= 1:
+            raise ValueError("router_prefix_fill must be in (0, 1] (1: off)")
         if self.lend_workers not in LEND_MODES:
             raise ValueError(f"lend_workers must be one of {LEND_MODES}, got {self.lend_workers!r}")
 
@@ -204,7 +210,7 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                       router_idle_spill=s.router_idle_spill, lend_workers=s.lend_workers,
                       guests_yield=s.guests_yield, calibrate_prefill=s.calibrate_prefill,
                       router_spill_needs_share=s.router_spill_needs_share, router_balance_ratio=s.router_balance_ratio,
-                      router_place_tie=s.router_place_tie)
+                      router_place_tie=s.router_place_tie, router_prefix_fill=s.router_prefix_fill)
 
 
 def build_app(args: dict) -> Application:

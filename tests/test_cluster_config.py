@@ -113,6 +113,10 @@ def test_the_new_prefix_tie_is_an_app_argument():
     tenants = Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})
     assert pool_config(AppSettings.from_args({}), tenants).placement().place_tie == PlacementConfig().place_tie
     assert pool_config(AppSettings.from_args({"router_place_tie": 1}), tenants).placement().place_tie == 1.0
+    assert pool_config(AppSettings.from_args({}), tenants).placement().prefix_fill == 0.9
+    assert pool_config(AppSettings.from_args({"router_prefix_fill": 1}), tenants).placement().prefix_fill == 1.0
+    with pytest.raises(ValueError, match="router_prefix_fill"):
+        AppSettings.from_args({"router_prefix_fill": 0})
 
 
 @pytest.mark.parametrize("name", ["ray-up-local.yaml", "ray-up-aws-gpu.yaml"])
