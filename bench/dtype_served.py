@@ -13,6 +13,7 @@ Writes bench/results/dtype_served.json. Loopback only; stops the apps it started
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -72,8 +73,6 @@ def probe(port: int, prompts: int) -> dict:
 
 
 def main():
-    import argparse
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--out", default="bench/results/dtype_served.json")

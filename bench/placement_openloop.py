@@ -497,7 +497,6 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "share margin -0.25": ({"spill_share_margin": -0.25}, 0.0, "new"),
     "share margin -0.5": ({"spill_share_margin": -0.5}, 0.0, "new"),
     "no fill guard": ({"prefix_fill": 1.0}, 0.0, "new"),  # before session 24: a pool may fill with prefixes
-    "fill guard places only": ({"fill_spills": False}, 0.0, "new"),
     "fill 0.8": ({"prefix_fill": 0.8}, 0.0, "new"),
 }
 

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from engine.sequence import Request
+from policies.routing import CostConfig
 
 
-PREFILL_REPLAY = 128  # = policies.routing.CostConfig.window: the samples a prefill fit uses
+PREFILL_REPLAY = CostConfig.window  # the samples a worker's prefill fit uses
 
 
 class WorkerUnavailable(RuntimeError):

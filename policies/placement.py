@@ -209,7 +209,6 @@ class PlacementConfig:
     # wait is paid once, an overfull pool for as long as its groups live. ``prefix_fill`` >= 1: off
     prefix_fill: float = 0.9
     fill_slack: float = 4.0
-    fill_spills: bool = True  # the guard applies to spill and balance copies too (not only to new prefixes)
 
 
 TTFT_ONLY = PlacementConfig(spill_ratio=0.0, spill_abs_s=0.0, evict_weight=0.0, compute_weight=0.0)
@@ -528,8 +527,7 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
             limit = best_eff + max(c.tie_abs_s, c.tie_ratio * best_eff)
             # a copy does not fill a worker's pool with prefixes (``prefix_fill``)
             targets = [v for v in views if eff[v.worker] <= limit + 1e-12
-                       and (v in holders or not c.fill_spills
-                            or v.fits(usable_blocks - v.local_blocks, c.prefix_fill))]
+                       and (v in holders or v.fits(usable_blocks - v.local_blocks, c.prefix_fill))]
             if targets:
                 v = min(targets, key=headroom)
                 return Placement(v.worker, "spill" if spill else "balance", v)
