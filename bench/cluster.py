@@ -326,7 +326,9 @@ def per_request(results: list[Result], items: list[workloads.WorkItem], oracle: 
 def router_estimates(cl: "Cluster") -> dict | None:
     """The kvmesh router's estimates at this moment (links, prefill fits, waits; the admin view of
     ``/kvmesh/workers``): what its pull-or-recompute choices were priced with; with each worker's
-    pull counters (``pulls``: joined, waited for room, skipped) and import holds (``holds``)."""
+    pull counters (``pulls``: joined, waited for room, skipped) and import holds (``holds``), and
+    the router's last placement decisions (``placement_log``: place, spill, balance, idle, with
+    every candidate's TTFT, held, evicted and prefix blocks)."""
     code, text = cl.get("/kvmesh/workers", setup.BENCH_ADMIN_KEY)
     try:
         view = json.loads(text) if code == 200 else None
@@ -338,7 +340,8 @@ def router_estimates(cl: "Cluster") -> dict | None:
     return {**(view.get("router") or {}),
             "tpot_s": {w["worker_id"]: w.get("tpot_s") for w in view.get("workers") or []},
             "pulls": {w: e.get("pulls") for w, e in engines.items()},
-            "holds": {w: e.get("import_holds") for w, e in engines.items()}}
+            "holds": {w: e.get("import_holds") for w, e in engines.items()},
+            "placement_log": view.get("placement_log")}
 
 
 def hit_ratio(results: list[Result], oracle: list[int]) -> dict:

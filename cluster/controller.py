@@ -391,6 +391,8 @@ class Controller:
                 "allocation": dict(d.allocation) if d else {}}
         if tenant is None:  # the router's estimates: links, prefill fits, waits (admins only: load-derived)
             view["router"] = await self.pool.router_estimates()
+            log = getattr(self.pool.router, "decision_log", None)
+            view["placement_log"] = log() if log is not None else []
         return admin_view(view) if tenant is None else tenant_view(view, tenant)
 
     def snapshot(self) -> dict:

@@ -87,6 +87,10 @@ class CostAwareRouter:
         """Decisions by placement rule (match | spill | place; -fallback without estimates)."""
         return self.placer.placements
 
+    def decision_log(self) -> list[dict]:
+        """The last placement decisions that gave a group a worker (``Placer.log``), oldest first."""
+        return list(self.placer.log)
+
     def groups(self) -> dict[str, int]:
         """Prefix groups routed to each worker lately (``Placer.groups_per_worker``)."""
         return self.placer.groups_per_worker(time.monotonic())

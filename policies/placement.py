@@ -121,7 +121,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Callable, Hashable, Literal, Mapping, Sequence
 
@@ -129,6 +129,7 @@ from policies.routing import Candidate, WorkerId
 
 PlacementKind = Literal["match", "spill", "balance", "idle", "place"]
 PROXY_TOKEN_S = 1e-3  # without estimates: a token of queue or prefill ~ 1 ms (only compared, never reported)
+DECISION_LOG = 64  # the placement decisions other than "match" a ``Placer`` keeps (``Placer.log``)
 
 
 @dataclass(frozen=True)
@@ -560,6 +561,19 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
     return Placement(v.worker, "place", v)
 
 
+def decision_record(kind: str, worker: WorkerId, key: bytes, prompt_tokens: int, usable_blocks: int,
+                    prefill_s: float, views: Sequence[WorkerView], now: float) -> dict:
+    """One entry of ``Placer.log``: the rule, the chosen worker, the prompt's group (its leading
+    key's first 8 hex digits), its size and prefill, and per candidate what the rules compared:
+    TTFT, blocks it holds, warm blocks it would evict, prefix blocks of its pool, load, running."""
+    return {"t": round(now, 3), "kind": kind, "worker": worker, "group": key.hex()[:8],
+            "prompt_tokens": prompt_tokens, "usable_blocks": usable_blocks, "prefill_s": round(prefill_s, 4),
+            "candidates": {v.worker: {"ttft_s": round(v.ttft_s, 4), "local": v.local_blocks, "evict": v.eviction[0],
+                                      "prefix": v.prefix_blocks, "capacity": v.capacity, "load": v.load,
+                                      "running": v.running, "wait_avg_s": round(v.wait_avg_s, 4),
+                                      "share": round(v.group_share, 3)} for v in views}}
+
+
 class Placer:
     """Placement state of one router: a ``ShadowCache`` per worker (capacity in blocks; a worker
     of unknown capacity gets ``default_capacity``)."""
@@ -569,6 +583,9 @@ class Placer:
         self.default_capacity = default_capacity
         self.shadows: dict[WorkerId, ShadowCache] = {}
         self.placements: Counter[str] = Counter()  # decisions by rule (match | spill | balance | idle | place; -fallback)
+        # the last ``DECISION_LOG`` decisions that give a group a worker (every rule but "match"),
+        # with what each candidate looked like: how a group split over the workers came about
+        self.log: deque[dict] = deque(maxlen=DECISION_LOG)
         c = self.config
         self.reuse = ReuseEstimate(c.warm_s, c.reuse_prior, c.reuse_window)  # fed by every shadow's evictions
         # per worker: group key -> its routed requests, decayed to ``_recent_at[worker]``
@@ -652,7 +669,10 @@ class Placer:
         placed = choose(views, usable, prefill, self.config, self.reuse_p, self.cluster_share(groups, now),
                         self.cluster_weight(now))
         self.count_routed(placed.worker, key, now)
-        self.placements[placed.kind if ranking else f"{placed.kind}-fallback"] += 1
+        kind = placed.kind if ranking else f"{placed.kind}-fallback"
+        self.placements[kind] += 1
+        if placed.kind != "match":
+            self.log.append(decision_record(kind, placed.worker, key, prompt, usable, prefill, views, now))
         if reuse:
             self.commit(placed.worker, own, max(0, total - len(own)), now)
         return placed

@@ -240,7 +240,10 @@ def test_two_replicas_share_one_controller_and_one_worker(cluster):
     with pytest.raises(ValueError):
         cluster["ray"].get_actor(ROUTER_NAME, namespace=ROUTER_NAMESPACE)  # no router shared by all apps
     r = http(cluster).get("/kvmesh/workers", headers={"Authorization": "Bearer sk-acme"})
-    assert len(r.json()["workers"]) == 1
+    assert len(r.json()["workers"]) == 1 and "placement_log" not in r.json()  # a tenant: not the router's log
+    admin = http(cluster).get("/kvmesh/workers", headers={"Authorization": "Bearer sk-admin"}).json()
+    assert admin["placement_log"] and {e["worker"] for e in admin["placement_log"]} == {f"{APP}-w0"}
+    assert all(set(e["candidates"]) == {f"{APP}-w0"} for e in admin["placement_log"])
     assert all(w["inflight"] == 0 for w in snap["workers"].values()) and not any(snap["admitted"].values())
 
 

@@ -321,6 +321,11 @@ def test_a_burst_of_one_group_stays_on_one_worker_before_anything_is_indexed():
     assert {p.worker for p in chosen} == {chosen[0].worker}
     assert [p.kind for p in chosen] == ["place"] + ["match"] * 5
     assert all(p.candidate.kind == "local" and p.candidate.local_tokens == 592 for p in chosen[1:])
+    # the log keeps the one decision that gave the group a worker, with every candidate as it was
+    (entry,) = placer.log
+    assert entry["kind"] == "place" and entry["worker"] == chosen[0].worker
+    assert entry["prompt_tokens"] == len(items[0].prompt_ids) and set(entry["candidates"]) == set(workers)
+    assert all(c["capacity"] == 48 and c["local"] == 0 and c["prefix"] == 0 for c in entry["candidates"].values())
 
 
 def test_new_groups_spread_over_workers_sized_for_one_group_each():
