@@ -527,6 +527,8 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
                 if rates:
                     stages = shared_prefix_steady(cl, name, args, exe, mdir, tok, rates, log, hot=hot)
                     res[f"{key}_warmup"], res[key] = stages[0], stages[1:]
+                    if name.startswith("kvmesh"):  # its placement log: how the groups came to be split so
+                        res[f"{key}_router_estimates"] = router_estimates(cl)
                     bar.update(len(rates))
                     write(doc, Path(args.out))
             m0 = parse_prometheus(cl.get("/metrics")[1])

@@ -98,8 +98,9 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     Placement, session 13).
   * **a pool is not filled with prefixes** (``prefix_fill``, ``fill_slack``). A new prefix (or a
     spill's copy) goes only to workers whose prefixes (``ShadowCache.prefix_blocks``: blocks a
-    second prompt asked for, or that a new group's first prompt brought; not the questions asked
-    once) stay within 90% of the pool after it, when one of them is within 4 of the prompt's
+    second prompt asked for, or that a new group's first prompt brought, for ``prefix_seed_s`` unless
+    a second prompt asks for them: a one-off prompt is no prefix; not the questions asked once)
+    stay within 90% of the pool after it, when one of them is within 4 of the prompt's
     prefills of the fastest. A worker whose pool its groups' prefixes fill evicts their tails for
     its own requests' blocks, for as long as those groups live (the cluster bench, session 24: a
     worker given a 4th 512-token group in a 2,048-token pool served 96-304 of 512 prefix tokens
@@ -210,6 +211,11 @@ class PlacementConfig:
     # wait is paid once, an overfull pool for as long as its groups live. ``prefix_fill`` >= 1: off
     prefix_fill: float = 0.9
     fill_slack: float = 4.0
+    # a new group's first prompt counts as a prefix this long before a second prompt asks for it
+    # (then for good): a prompt nobody repeats is a one-off, and a worker that took many is not full
+    # of prefixes. Longer than ``warm_s``: a group's second request may come minutes after its
+    # first at low rates (the cluster bench's warm-up: 12 groups in 52-70 s, ~2 requests each)
+    prefix_seed_s: float = 120.0
 
 
 TTFT_ONLY = PlacementConfig(spill_ratio=0.0, spill_abs_s=0.0, evict_weight=0.0, compute_weight=0.0)
@@ -228,16 +234,21 @@ class ShadowCache:
 
     _anon = itertools.count()
 
-    def __init__(self, capacity_blocks: int, on_evict: Callable[[Hashable, float, float], None] | None = None):
+    def __init__(self, capacity_blocks: int, on_evict: Callable[[Hashable, float, float], None] | None = None,
+                 seed_s: float = 120.0):
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
         self.capacity = capacity_blocks
         self._lru: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()  # key -> (inserted, last used)
         self.shared = 0  # keys a later prompt may ask for (not private): the prefixes it holds
-        # of those, the keys that are a prefix (``prefix_blocks``): asked for by a second request, or
-        # routed by a prompt that matched nothing here (a new group's first request); not the new
-        # tail blocks of a prompt that matched (a user's question: asked for once, then cold)
+        # of those, the keys that are a prefix (``prefix_blocks``): asked for by a second request
+        # (``_prefix``), or routed by a prompt that matched nothing here, a new group's first request,
+        # for ``seed_s`` after it (``_seeded``: key -> that time; a prompt nobody repeats within it
+        # was a one-off, not a prefix); not the new tail blocks of a prompt that matched (a user's
+        # question: asked for once, then cold)
         self._prefix: set[Hashable] = set()
+        self._seeded: OrderedDict[Hashable, float] = OrderedDict()
+        self.seed_s = seed_s
         self.evicted = 0
         self.on_evict = on_evict  # (key, its last use, now) for every key the LRU drops
 
@@ -262,15 +273,26 @@ class ShadowCache:
         for _ in range(private_blocks):
             self._put((_PRIVATE, next(self._anon)), now)
         for key in reversed(chain):
-            if seed or key in self._lru:
+            if key in self._lru:
                 self._prefix.add(key)
+                self._seeded.pop(key, None)
+            elif seed:
+                self._seeded[key] = now
             self._put(key, now)
 
-    @property
-    def prefix_blocks(self) -> int:
-        """Blocks of prefixes it holds that prompts share (see ``_prefix``): what a new group's
-        prefix competes with for room (``WorkerView.fits``)."""
-        return len(self._prefix)
+    def prefix_blocks(self, now: float) -> int:
+        """Blocks of prefixes it holds that prompts share at ``now`` (see ``_prefix``): what a new
+        group's prefix competes with for room (``WorkerView.fits``)."""
+        while self._seeded:
+            key, at = next(iter(self._seeded.items()))
+            if at >= now - self.seed_s:
+                break
+            del self._seeded[key]
+        return len(self._prefix) + len(self._seeded)
+
+    def _forget(self, key: Hashable) -> None:
+        self._prefix.discard(key)
+        self._seeded.pop(key, None)
 
     def _put(self, key: Hashable, now: float) -> None:
         old = self._lru.pop(key, None)
@@ -279,7 +301,7 @@ class ShadowCache:
         while len(self._lru) > self.capacity:
             gone, (_, used) = self._lru.popitem(last=False)
             self.shared -= not _private(gone)
-            self._prefix.discard(gone)
+            self._forget(gone)
             self.evicted += 1
             if self.on_evict is not None:
                 self.on_evict(gone, used, now)
@@ -292,7 +314,7 @@ class ShadowCache:
             if ent is not None and ent[0] < now - lag_s:
                 del self._lru[key]
                 self.shared -= 1
-                self._prefix.discard(key)
+                self._forget(key)
 
     def eviction_cost(self, new_blocks: int, now: float, warm_s: float,
                       held_elsewhere: Callable[[Hashable], bool] | None = None) -> tuple[int, int, float]:
@@ -602,11 +624,12 @@ class Placer:
     def shadow(self, worker: WorkerId, capacity_blocks: int | None = None) -> ShadowCache:
         s = self.shadows.get(worker)
         if s is None or (capacity_blocks and s.capacity != capacity_blocks):
-            fresh = ShadowCache(capacity_blocks or self.default_capacity, self.reuse.evicted)
+            fresh = ShadowCache(capacity_blocks or self.default_capacity, self.reuse.evicted, self.config.prefix_seed_s)
             if s is not None:
                 for k, v in s._lru.items():
                     fresh._put(k, v[1])
                 fresh._prefix = {k for k in s._prefix if k in fresh._lru}
+                fresh._seeded = OrderedDict((k, t) for k, t in s._seeded.items() if k in fresh._lru)
             s = self.shadows[worker] = fresh
         return s
 
@@ -718,7 +741,7 @@ class Placer:
             wait = self.observe_wait(w, cand.wait_s, now) if cand is not None else 0.0
             out.append(WorkerView(w, ttft, have, cost, loads.get(w, 0.0), order[w], cand, reused,
                                   self.group_share(w, groups or {key}, now), wait, shadow.shared,
-                                  (running or {}).get(w, 0), shadow.prefix_blocks, shadow.capacity))
+                                  (running or {}).get(w, 0), shadow.prefix_blocks(now), shadow.capacity))
         return out
 
     def count_routed(self, worker: WorkerId, key: bytes, now: float) -> None:

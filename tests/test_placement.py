@@ -967,22 +967,44 @@ def test_a_new_worker_is_calibrated_before_it_is_routable_and_the_router_gets_th
 def test_the_shadow_counts_prefixes_not_the_questions_asked_once():
     """``ShadowCache.prefix_blocks``: a new group's first prompt counts whole; a later prompt of
     the group adds only its matched blocks (already counted), not its new tail (a user's question,
-    asked once), unless a later prompt asks for that tail too; eviction and reconcile drop them."""
-    s = ShadowCache(64)
+    asked once), unless a later prompt asks for that tail too; a first prompt nobody repeats stops
+    counting ``seed_s`` after it (a one-off); eviction and reconcile drop them."""
+    s = ShadowCache(64, seed_s=30.0)
     system = [b"s%d" % i for i in range(8)]
     s.touch(system + [b"q0"], private_blocks=1, now=0.0)
-    assert s.prefix_blocks == 9 and s.shared == 9
+    assert s.prefix_blocks(0.0) == 9 and s.shared == 9
     for i in range(1, 4):
         s.touch(system + [b"q%d" % i], private_blocks=1, now=float(i))
-    assert s.prefix_blocks == 9 and s.shared == 12  # three questions held, none a prefix
+    assert s.prefix_blocks(4.0) == 9 and s.shared == 12  # three questions held, none a prefix
     s.touch(system + [b"q2", b"more"], private_blocks=0, now=5.0)  # q2 asked again (a second turn)
-    assert s.prefix_blocks == 10
+    assert s.prefix_blocks(5.0) == 10
+    s.touch([b"once%d" % i for i in range(4)], private_blocks=0, now=20.0)  # a prompt matching nothing
+    assert s.prefix_blocks(20.0) == 14
+    # 30 s after each: q0 (the first prompt's tail) and the one-off are no prefix; the system
+    # prompt and q2, asked for again, still are
+    assert s.prefix_blocks(50.1) == 9 and s.shared == 17
     s.reconcile(system + [b"q2"], 8, now=100.0, lag_s=30.0)  # the index no longer shows q2
-    assert s.prefix_blocks == 9
+    assert s.prefix_blocks(100.0) == 8
     small = ShadowCache(10)
     small.touch(system, private_blocks=0, now=0.0)
     small.touch([b"x%d" % i for i in range(6)], private_blocks=0, now=1.0)  # evicts 4 of system
-    assert small.prefix_blocks == 10 and len(small) == 10
+    assert small.prefix_blocks(1.0) == 10 and len(small) == 10
+
+
+def test_a_placer_stops_counting_one_off_prompts_as_prefixes_after_prefix_seed_s():
+    placer = Placer(PlacementConfig(prefix_seed_s=60.0))
+    placer.shadow("w0", 48)
+    placer.commit("w0", [b"a%d" % i for i in range(40)], 0, now=0.0)  # a prompt that matched nothing
+
+    def prefixes(now):
+        return {v.worker: v.prefix_blocks for v in placer.views(None, ["w0"], {}, 4, {}, b"k", now)}
+
+    assert prefixes(59.0) == {"w0": 40} and prefixes(61.0) == {"w0": 0}
+    placer.shadow("w0", 64)  # a resized shadow keeps what it knew
+    placer.commit("w1", [b"b%d" % i for i in range(8)], 0, now=70.0)
+    placer.commit("w1", [b"b%d" % i for i in range(8)] + [b"q"], 0, now=200.0)  # asked again: a prefix
+    placer.shadow("w1", 64)
+    assert {v.worker: v.prefix_blocks for v in placer.views(None, ["w1"], {}, 4, {}, b"k", 500.0)} == {"w1": 8}
 
 
 def test_a_new_group_stays_off_a_worker_its_prefix_would_fill():
