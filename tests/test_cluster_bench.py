@@ -510,3 +510,27 @@ def test_mt_compare_groups_runs_and_reads_how_planned_pulls_ended(tmp_path):
     assert res["groups"]["b"]["runs"][0]["stages_s"] == {}
     assert res["ratios"]["hits a/b"] == pytest.approx(1.7) and res["ratios"]["ttft p50 b/a"] == pytest.approx(2.0)
     assert json.loads((tmp_path / "o.json").read_text())["ratios"] == res["ratios"]
+
+
+def test_placement_log_merges_overlapping_reads_in_time_order(tmp_path, capsys):
+    from bench import placement_log
+
+    def entry(t, group, worker):
+        return {"t": t, "kind": "place", "worker": worker, "group": group, "prompt_tokens": 552, "usable_blocks": 34,
+                "prefill_s": 3.0, "candidates": {w: {"ttft_s": 3.0, "local": 0, "evict": 0, "prefix": 0, "capacity": 128,
+                                                     "load": 0.0, "running": 0, "wait_avg_s": 0.0, "share": 1.0}
+                                                 for w in ("w0", "w1")}}
+
+    early = {"placement_log": [entry(1.0, "aa", "w0"), entry(2.0, "bb", "w1")]}  # an admin view
+    later = {"placement_log": [entry(2.0, "bb", "w1"), entry(3.0, "cc", "w0")]}  # the log read again
+    assert [e["group"] for e in placement_log.merged([later, early])] == ["aa", "bb", "cc"]
+    bench = {"configs": {"kvmesh": {"shared_prefix_router_estimates": later,
+                                    "workloads": {"trace": {"router_estimates": early}}},
+                         "affinity": {"workloads": {"trace": {"router_estimates": None}}}}}
+    assert [(e["config"], e["group"]) for e in placement_log.merged([bench])] == \
+        [("kvmesh", "aa"), ("kvmesh", "bb"), ("kvmesh", "cc")]
+    (tmp_path / "run.json").write_text(json.dumps(bench))
+    placement_log.main([str(tmp_path / "run.json"), "--out", str(tmp_path / "log.json")])
+    out = capsys.readouterr().out
+    assert "-- kvmesh: 3 decisions" in out and "cc -> w0" in out
+    assert len(json.loads((tmp_path / "log.json").read_text())["placement_log"]) == 3
