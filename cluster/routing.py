@@ -147,13 +147,16 @@ class CostAwareRouter:
         pending = self.placer.pending_tokens(chains, found, workers, prompt, self.block_size, time.monotonic())
         blocks = tuple(chains.get(request.domain) or ())
         shared = self._publish_loads(candidates, blocks)
+        ranked = {w.worker_id: float(sum(w.queued.values())) for w in candidates}  # the loads it ranks on
         ranking = await self.client.rank(prompt, holdings, workers, pending, shared)
-        # decided after the await, so requests routed meanwhile are in the shadow caches already
+        # decided after the await, so requests routed meanwhile are in the shadow caches already,
+        # and their prompts (queued since the loads above were published) count in the TTFTs
         loads = {w.worker_id: float(sum(w.queued.values())) for w in candidates}
         placed = self.placer.decide(request.prompt_ids, request.params.max_tokens, self.block_size, chains,
                                     request.domain, found, workers, loads, ranking or None, time.monotonic(),
                                     reuse=request.reuse != "none",
-                                    running={w.worker_id: w.running for w in candidates})
+                                    running={w.worker_id: w.running for w in candidates},
+                                    unranked={w: n - ranked[w] for w, n in loads.items() if n > ranked[w]})
         if placed is None:
             choice = await self.fallback.choose(request, candidates)
             return replace(choice, index_holders=found, blocks=blocks) if chains else choice

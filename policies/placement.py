@@ -123,7 +123,7 @@ import hashlib
 import itertools
 import math
 from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Hashable, Literal, Mapping, Sequence
 
 from policies.routing import Candidate, WorkerId
@@ -583,6 +583,15 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
     return Placement(v.worker, "place", v)
 
 
+def _with_unranked(v: WorkerView, tokens: float, prompt_tokens: int) -> WorkerView:
+    """``v`` with ``tokens`` more queued than its ranking knew: its TTFT later by their prefill at
+    the rate its candidate computes this prompt's uncached tokens."""
+    c = v.candidate
+    if tokens <= 0 or c is None:
+        return v
+    return replace(v, ttft_s=v.ttft_s + tokens * c.prefill_s / max(1, prompt_tokens - c.cached_tokens))
+
+
 def decision_record(kind: str, worker: WorkerId, key: bytes, prompt_tokens: int, usable_blocks: int,
                     prefill_s: float, views: Sequence[WorkerView], now: float) -> dict:
     """One entry of ``Placer.log``: the rule, the chosen worker, the prompt's group (its leading
@@ -666,13 +675,17 @@ class Placer:
     def decide(self, prompt_ids: Sequence[int], max_tokens: int, block_size: int,
                chains: Mapping[str, Sequence[bytes]], own_domain: str, holdings: Mapping[WorkerId, int] | None,
                workers: Sequence[WorkerId], loads: Mapping[WorkerId, float], ranking: Sequence[Candidate] | None,
-               now: float, reuse: bool = True, running: Mapping[WorkerId, int] | None = None) -> Placement | None:
+               now: float, reuse: bool = True, running: Mapping[WorkerId, int] | None = None,
+               unranked: Mapping[WorkerId, float] | None = None) -> Placement | None:
         """Step 2: the placement of one request, and (``reuse``) its record in the chosen
         worker's shadow cache. ``holdings``: the index's prompt tokens per worker; ``chains``:
         the prompt's block hashes per readable domain (own domain ``own_domain``); ``loads``:
         per worker, queued prompt tokens to compute; ``ranking``: the cost model's best
         candidate per worker (None: decide from the loads alone); ``running``: per worker, sequences
-        decoding (None: unknown, read as 0). None when no worker fits."""
+        decoding (None: unknown, read as 0); ``unranked``: per worker, prompt tokens queued there
+        since the ranking's loads were taken (requests routed while it was computed: a burst of
+        prompts ranked at once all see the same idle worker), added to its TTFT at its own prefill
+        rate for this prompt. None when no worker fits."""
         prompt = len(prompt_ids)
         usable = max(0, (prompt - 1) // block_size)
         held = None if holdings is None else _held_blocks(holdings, prompt, block_size)
@@ -688,6 +701,8 @@ class Placer:
         views = self.views(ranking or None, workers, local, total, loads, key, now, proxy, block_size, groups, running)
         if not views:
             return None
+        if unranked:
+            views = [_with_unranked(v, unranked.get(v.worker, 0.0), prompt) for v in views]
         prefill = full_prefill_s(ranking, prompt) if ranking else PROXY_TOKEN_S * prompt
         placed = choose(views, usable, prefill, self.config, self.reuse_p, self.cluster_share(groups, now),
                         self.cluster_weight(now))

@@ -795,6 +795,66 @@ def test_the_placer_measures_reuse_from_its_own_evictions():
     assert Placer(PlacementConfig(reuse_prob=None)).reuse_p == 0.5  # the prior's mean before any ghost
 
 
+def test_a_burst_of_new_prompts_ranked_at_once_spreads_over_the_workers():
+    """Prompts that arrive together are ranked on the same loads (the router actor answers each
+    before any is routed), so every ranking shows the same fastest worker. The placer adds the
+    prompts routed meanwhile (the pool's queue since the ranking's loads) to each worker's TTFT:
+    without that, all 8 here go to the fastest worker (the cluster bench's warm-up, session 25: 5
+    of 8 on one)."""
+    from cluster.pool import PoolConfig, WorkerPool
+    from cluster.routing import CostAwareRouter
+    from cluster.types import WorkerState
+    from engine.sequence import Request, SamplingParams
+
+    states = [WorkerState(f"w{i}", None, info={"num_blocks": 512}) for i in range(4)]  # room for all 8
+    cm = _cost_model([w.worker_id for w in states])
+    for n in (64, 128, 256, 512) * 8:  # w0 prefills about twice as fast: every ranking of an idle pool puts it first
+        for w in states:
+            cm.observe_prefill(w.worker_id, n, (0.5 if w.worker_id == "w0" else 1.0) * (0.02 + n / 1000))
+
+    class _AllAtOnce(_FakeClient):  # every ranking is computed before any request is routed
+        def __init__(self, cm, n):
+            super().__init__(cm)
+            self.n, self.arrived, self.go = n, 0, asyncio.Event()
+
+        async def rank(self, *args, **kwargs):
+            ranking = await super().rank(*args, **kwargs)
+            self.arrived += 1
+            if self.arrived == self.n:
+                self.go.set()
+            await self.go.wait()
+            return ranking
+
+        def report(self, method, *args):
+            super().report(method, *args)
+            if method == "report_load":
+                self.cm.observe_load(*args)
+
+    def burst(unranked: bool) -> Counter:
+        client = _AllAtOnce(cm, 8)
+        for w in states:
+            w.queued.clear()
+            cm.observe_load(w.worker_id, WorkerLoad())
+        router = CostAwareRouter("m", BS, index=None, client=client, worker_lookup=lambda w: None, timeout_s=0.01)
+        if not unranked:  # the placer as it was: the stale ranking only
+            decide = router.placer.decide
+            router.placer.decide = lambda *a, **k: decide(*a, **{**k, "unranked": None})
+        pool = WorkerPool(PoolConfig(), router=router)
+        pool._ready.set()
+        for w in states:
+            pool.workers[w.worker_id] = w
+        items = shared_prefix(groups=8, users=1, system_len=400, question_len=16, seed=7)
+
+        async def main():
+            return await asyncio.gather(*(pool.acquire(Request(f"r{i}", it.prompt_ids, SamplingParams(max_tokens=4),
+                                                               tenant="t")) for i, it in enumerate(items)))
+        return Counter(ws.worker_id for ws, _ in asyncio.run(main()))
+
+    spread = burst(unranked=True)
+    assert len(spread) == 4 and max(spread.values()) <= 3
+    assert max(burst(unranked=False).values()) >= 5  # what the stale ranking did
+
+
 def test_a_holder_whose_kv_pool_is_full_spills_its_group_and_the_pool_learns_what_memory_frees():
     """The router publishes each worker's KV memory from the requests the pool has in flight
     there (``WorkerState.flights``) once it knows the worker's seconds per output token, which
