@@ -131,6 +131,7 @@ from policies.routing import Candidate, WorkerId
 PlacementKind = Literal["match", "spill", "balance", "idle", "place"]
 PROXY_TOKEN_S = 1e-3  # without estimates: a token of queue or prefill ~ 1 ms (only compared, never reported)
 DECISION_LOG = 64  # the placement decisions other than "match" a ``Placer`` keeps (``Placer.log``)
+DECISION_CANDIDATES = 8  # per logged decision, the candidates kept: the fastest, and the one chosen
 
 
 @dataclass(frozen=True)
@@ -596,7 +597,10 @@ def decision_record(kind: str, worker: WorkerId, key: bytes, prompt_tokens: int,
                     prefill_s: float, views: Sequence[WorkerView], now: float) -> dict:
     """One entry of ``Placer.log``: the rule, the chosen worker, the prompt's group (its leading
     key's first 8 hex digits), its size and prefill, and per candidate what the rules compared:
-    TTFT, blocks it holds, warm blocks it would evict, prefix blocks of its pool, load, running."""
+    TTFT, blocks it holds, warm blocks it would evict, prefix blocks of its pool, load, running
+    (the ``DECISION_CANDIDATES`` fastest and the chosen one: a log of a large pool stays small)."""
+    fastest = sorted(views, key=lambda v: (v.ttft_s, v.worker))[:DECISION_CANDIDATES]
+    views = fastest + [v for v in views if v.worker == worker and v not in fastest]
     return {"t": round(now, 3), "kind": kind, "worker": worker, "group": key.hex()[:8],
             "prompt_tokens": prompt_tokens, "usable_blocks": usable_blocks, "prefill_s": round(prefill_s, 4),
             "candidates": {v.worker: {"ttft_s": round(v.ttft_s, 4), "local": v.local_blocks, "evict": v.eviction[0],

@@ -326,6 +326,11 @@ def test_a_burst_of_one_group_stays_on_one_worker_before_anything_is_indexed():
     assert entry["kind"] == "place" and entry["worker"] == chosen[0].worker
     assert entry["prompt_tokens"] == len(items[0].prompt_ids) and set(entry["candidates"]) == set(workers)
     assert all(c["capacity"] == 48 and c["local"] == 0 and c["prefix"] == 0 for c in entry["candidates"].values())
+    # a large pool's entry keeps the fastest candidates and the one chosen
+    from policies.placement import DECISION_CANDIDATES, decision_record
+    many = [WorkerView(f"v{i:02d}", 1.0 + i, 0, (0, 0, -10.0)) for i in range(20)]
+    rec = decision_record("place", "v19", b"k", 64, 3, 0.5, many, now=0.0)
+    assert list(rec["candidates"]) == [f"v{i:02d}" for i in range(DECISION_CANDIDATES)] + ["v19"]
 
 
 def test_new_groups_spread_over_workers_sized_for_one_group_each():
