@@ -29,7 +29,6 @@ import os
 import platform
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,11 +44,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cluster.loopback import start_serve  # noqa: E402
 
 
 def tenants(args) -> dict:
@@ -346,8 +341,7 @@ def main() -> None:
     if args.step_trace:  # inherited by the Ray workers this driver starts
         os.environ["KVMESH_STEP_TRACE_DIR"] = str(tmp / "trace")
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = start_serve()
     try:
         serve.run(build_app({"model": args.model, "tenants": str(tmp / "tenants.yaml"),
                              "kv_cache_bytes": args.kv_cache_bytes, "worker_num_cpus": 1,

@@ -174,14 +174,13 @@ def run_config(config: str, a, tenants_file: str, items) -> dict:
     from ray import serve
 
     from bench import loadgen
-    from bench.servelab import free_port
+    from cluster.loopback import start_serve
     from bench.workloads import Vocab, WorkItem
 
     ray.init(address="local", num_cpus=a.workers + 2, include_dashboard=True, log_to_driver=False)
     out: dict = {}
     try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve()
         args = {"model": a.model, "tenants": tenants_file, "kv_cache_bytes": a.kv_mib << 20, "workers": a.workers,
                 "max_workers": a.workers, "worker_num_cpus": 1}
         t0 = time.monotonic()

@@ -105,15 +105,15 @@ def main(argv=None) -> dict:
     import yaml
     from ray import serve
 
-    from bench.servelab import free_port, processes
+    from bench.servelab import processes
+    from cluster.loopback import start_serve
     from cluster.app import build_app as kvmesh_app
     from cluster.baselines import build_app as baseline_app
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = free_port()
     rows: dict = {c: [] for c in CONFIGS}
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve()
         with tempfile.TemporaryDirectory() as d:
             tenants = Path(d) / "tenants.yaml"
             tenants.write_text(yaml.safe_dump({"tenants": [{"name": "bench", "api_keys": [KEY]}]}))

@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import sys
 import tempfile
 import time
@@ -36,14 +35,9 @@ import yaml  # noqa: E402
 
 from bench import loadgen  # noqa: E402
 from bench.workloads import TINY_VOCAB, Vocab, oracle_hits, shared_prefix  # noqa: E402
+from cluster.loopback import start_serve  # noqa: E402
 
 KEY = "sk-bench"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _metric_lines(text: str, prefix: str) -> dict[str, float]:
@@ -105,10 +99,9 @@ def main(argv=None) -> None:
     items = shared_prefix(a.groups, a.users, a.system_len, a.question_len, a.output_len, seed=a.seed, vocab=vocab)
     oracle = sum(oracle_hits(items, 16))
     ray.init(address="local", num_cpus=a.workers + 2, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
     rows = []
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        port = start_serve()
         with tempfile.TemporaryDirectory() as d:
             tenants = Path(d) / "tenants.yaml"
             tenants.write_text(yaml.safe_dump({"tenants": [{"name": "bench", "api_keys": [KEY]}]}))

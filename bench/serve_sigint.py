@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,24 +39,12 @@ import psutil
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from cluster.loopback import free_port, port_free  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 SERVE = Path(sys.executable).parent / "serve"
 KEY = "sk-acme-demo"  # cluster/tenants.yaml's demo tenant
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def write_config(path: Path, model: str, port: int) -> None:

@@ -14,7 +14,6 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-import socket
 import time
 
 import ray
@@ -24,6 +23,7 @@ from actors.index_actor import INDEX_NAME, NAMESPACE
 from actors.router import router_name
 from cluster.app import AppSettings, KvmeshIngress
 from cluster.controller import controller_name
+from cluster.loopback import start_serve
 
 
 @contextlib.contextmanager
@@ -58,19 +58,12 @@ def lab_with_retries(specs, attempts: int = 6, **kwargs):
         shutil.rmtree(wrapper.parent, ignore_errors=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_app(app: str, settings: dict, tenants_data: dict, num_replicas: int = 1,
               replica_resources: dict | None = None) -> str:
     """Deploy the app; returns its base URL once every replica is up (workers ready).
     ``replica_resources`` pins the ingress replicas (e.g. ``{"node:<head ip>": 0.001}``; the
     controller, created by a replica, then starts on that node too)."""
-    port = free_port()
-    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    port = start_serve(proxy_location="HeadOnly")
     s = AppSettings(**settings)
     opts = {"num_cpus": 0, **({"resources": replica_resources} if replica_resources else {})}
     serve.run(KvmeshIngress.options(num_replicas=num_replicas, ray_actor_options=opts)

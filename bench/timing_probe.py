@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -43,6 +42,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from cluster.loopback import start_serve  # noqa: E402
 
 CONDITIONS = ("control", "no_grant", "salt", "grant")
 TENANTS = {"admin_keys": ["sk-probe-admin"], "tenants": [
@@ -57,12 +58,6 @@ PRINCIPALS = {
     "salt": (("sk-victim", "user-victim"), ("sk-victim", "user-attacker")),
     "grant": (("sk-victim", None), ("sk-granted", None)),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ttft(client, key: str, prompt: list[int], salt: str | None, model: str) -> float:
@@ -193,8 +188,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kvmesh-probe-"))
     (tmp / "tenants.yaml").write_text(yaml.safe_dump(TENANTS))
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = start_serve()
     try:
         serve.run(build_app({"model": args.model, "tenants": str(tmp / "tenants.yaml"),
                              "kv_cache_bytes": 512 << 20, "worker_num_cpus": 1}), name="probe", route_prefix="/")

@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from pathlib import Path
 
 import yaml
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from cluster.loopback import start_serve
 
 
 @contextlib.contextmanager
@@ -33,8 +28,7 @@ def local_serve(tenants: dict, tmp_dir: Path):
     started = not ray.is_initialized()
     if started:
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = start_serve()
     path = Path(tmp_dir) / "tenants.yaml"
     path.write_text(yaml.safe_dump(tenants))
     try:

@@ -164,35 +164,20 @@ def test_default_model_chat_template(default_model):
 # -- HTTP ----------------------------------------------------------------------------------------
 @pytest.mark.ray
 def test_http_approximate_reuse_reports_approx_cached_tokens(tmp_path):
-    import os
-    import socket
-
     import httpx
-    import yaml
-
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    import ray
-    from ray import serve
 
     from cluster.app import build_app
+    from tests.serving import local_serve
 
-    tenants = tmp_path / "tenants.yaml"
-    tenants.write_text(yaml.safe_dump({"tenants": [
+    tenants_data = {"tenants": [
         {"name": "acme", "api_keys": ["sk-acme"], "reuse": "approximate", "templates": {"sent": T},
          "remap": {"policy": "hash", "recompute_ratio": 0.3, "gate": False}},  # opted out of the quality gate
         {"name": "globex", "api_keys": ["sk-globex"]},
-    ]}))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    ]}
+    with local_serve(tenants_data, tmp_path) as (url, tenants, serve):
         serve.run(build_app({"model": "tiny-llama", "tenants": str(tenants), "kv_cache_bytes": 16 << 20,
                              "worker_num_cpus": 0}), name="approx", route_prefix="/")
-        c = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
+        c = httpx.Client(base_url=url, timeout=120)
         acme, globex = {"Authorization": "Bearer sk-acme"}, {"Authorization": "Bearer sk-globex"}
 
         def complete(text, headers=acme, template="sent", reuse=None):
@@ -217,7 +202,3 @@ def test_http_approximate_reuse_reports_approx_cached_tokens(tmp_path):
         assert r.status_code == 200 and r.json()["params"] == ["text"]
         assert complete(C, headers=globex, template="g").json()["kvmesh"]["approx_cached_tokens"] == 0  # reuse exact default
         assert c.post("/v1/templates", json={"id": "g", "template": T}).status_code == 401
-    finally:
-        serve.shutdown()
-        if started:
-            ray.shutdown()

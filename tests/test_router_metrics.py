@@ -2,22 +2,13 @@
 worker come from the controller's pool (they show even when the router actor is slow), bytes
 pulled from the router actor. Over HTTP with 2 tiny workers, Ray on loopback."""
 
-import os
-import socket
 
 import httpx
 import pytest
-import yaml
 
 from cluster.metrics import Metrics
 
 TINY = "tiny-llama"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _value(text: str, name: str, **labels) -> float | None:
@@ -62,25 +53,15 @@ def test_router_reports_the_signed_ttft_error_next_to_the_absolute_one():
 
 @pytest.mark.ray
 def test_metrics_over_http_show_router_decisions_with_two_workers(tmp_path):
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    import ray
-    from ray import serve
-
     from cluster.app import build_app
+    from tests.serving import local_serve
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        tenants = tmp_path / "tenants.yaml"
-        tenants.write_text(yaml.safe_dump({"tenants": [{"name": "acme", "api_keys": ["sk-acme"]}]}))
+    with local_serve({"tenants": [{"name": "acme", "api_keys": ["sk-acme"]}]}, tmp_path) as (url, tenants, serve):
         serve.run(build_app({"model": TINY, "tenants": str(tenants), "kv_cache_bytes": 8 << 20, "workers": 2,
                              "worker_num_cpus": 0}), name="rm", route_prefix="/")
         prompts = ["shared system prompt number one, " * 4 + f"q{i}" for i in range(3)]
         prompts += ["another group's system prompt text! " * 4 + f"q{i}" for i in range(3)]
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:
+        with httpx.Client(base_url=url, timeout=120) as c:
             workers = []
             for p in prompts:
                 r = c.post("/v1/completions", headers={"Authorization": "Bearer sk-acme"},
@@ -101,7 +82,3 @@ def test_metrics_over_http_show_router_decisions_with_two_workers(tmp_path):
         # two groups, each on its worker (or both on one): the gauge counts them there
         groups = {w: _value(text, "kvmesh_router_groups", worker=w) for w in set(workers)}
         assert groups == {w: float(len({i // 3 for i, x in enumerate(workers) if x == w})) for w in set(workers)}
-    finally:
-        serve.shutdown()
-        if started:
-            ray.shutdown()
