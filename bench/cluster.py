@@ -553,9 +553,11 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
             if approx_only and wname != "multi_tenant":
                 continue
             log(f"{name}: {wname} ({len(items)} requests)")
-            t0 = time.monotonic()
+            t0, wall0 = time.monotonic(), time.time()
+            cpu0 = cpu_by_component(cl)
             results = asyncio.run(drive(cl.base_url, items, extras))
             wall = time.monotonic() - t0
+            cpu1 = cpu_by_component(cl)
             oracle = workloads.oracle_hits(items)
             m1 = parse_prometheus(cl.get("/metrics")[1])
             s = summarize(results, args.ttft_slo, wall_s=wall)
@@ -565,7 +567,8 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
                                               [h for r, h in zip(results, oracle) if r.tenant == t])
                                  for t in sorted({r.tenant for r in results})},
                      approx_cached_tokens=None, errors_sample=[r.error for r in results if r.error][:3],
-                     per_request=per_request(results, items, oracle))
+                     per_request=per_request(results, items, oracle), wall_clock=[wall0, time.time()])
+            s["cpu"] = cpu_delta(cpu0, cpu1, s["ok"])
             m0 = m1
             res["workloads"][wname] = s
             log(f"{name}: {wname} hit/oracle {s['hit']['vs_oracle']}, TTFT p90 {s['ttft_s']['p90']}")
@@ -622,13 +625,14 @@ def cpu_delta(a: dict[str, float], b: dict[str, float], requests: int) -> dict:
 
 def engine_steps(cl: Cluster, name: str, res: dict) -> None:
     """Move this configuration's engine step traces off the hosts and add each inference-perf
-    stage's ``engine_steps`` (``bench.steps.summarize`` over the stage's wall-clock window)."""
+    stage's and loadgen workload's ``engine_steps`` (``bench.steps.summarize`` over its
+    wall-clock window)."""
     files = steptrace.collect({n: h.tmp for n, h in cl.lab.hosts.items()}, cl.out / "steps" / name.replace("+", "-"))
     engines = steptrace.read(files)
-    for key in ("shared_prefix", "hot_prefix"):
-        for s in res.get(key) or []:
-            if s.get("wall_clock"):
-                s["engine_steps"] = steptrace.summarize(engines, *s["wall_clock"])
+    stages = [s for key in ("shared_prefix", "hot_prefix") for s in res.get(key) or []]
+    for s in stages + list((res.get("workloads") or {}).values()):
+        if s.get("wall_clock"):
+            s["engine_steps"] = steptrace.summarize(engines, *s["wall_clock"])
 
 
 def pull_log(cl: Cluster, limit: int = 40) -> dict:
