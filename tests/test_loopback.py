@@ -67,3 +67,28 @@ def test_start_serve_raises_other_errors_and_gives_up_after_its_attempts(fake_se
     with pytest.raises(RuntimeError):
         loopback.start_serve(attempts=3)
     assert len(fake.ports) == 3
+
+
+@pytest.mark.ray
+def test_serve_comes_up_on_another_port_when_its_first_pick_is_taken(tmp_path, monkeypatch):
+    """The race CI hit, forced: the first port picked is taken before the proxy binds it."""
+    import httpx
+
+    from tests.serving import local_serve
+
+    real = loopback.free_port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picks = [taken.getsockname()[1]]
+        monkeypatch.setattr(loopback, "free_port", lambda host="127.0.0.1": picks.pop() if picks else real(host))
+        with local_serve({"tenants": []}, tmp_path) as (url, _, serve):
+            assert not picks  # the taken port was tried first
+            assert url != f"http://127.0.0.1:{taken.getsockname()[1]}"
+
+            @serve.deployment
+            def hello(request):
+                return "ok"
+
+            serve.run(hello.bind(), name="hello", route_prefix="/")
+            assert httpx.get(url, timeout=30).text == "ok"
