@@ -853,6 +853,12 @@ def series_summary(doc: dict, key: str) -> tuple[dict, dict]:
     oracle = {n: sum(s["hit"]["oracle_cached_tokens"] for s in st) for n, st in ran.items()}
     s = report.summary(cv, hits, max(oracle.values(), default=0)) if cv else {}
     s["hit_tokens_vs_oracle"] = {**{n: (hits[n] / oracle[n] if oracle[n] else None) for n in hits}, "oracle": 1.0}
+    speed = report.host_speed({n: [(x.get("engine_steps") or {}).get("decode_1row_s") for x in st]
+                               for n, st in ran.items()})
+    if any(speed.values()):
+        s["host_speed_decode_1row_s"] = speed
+        s["throughput_at_equal_p99_ttft_speed_adjusted"] = report.speed_adjusted(
+            s.get("throughput_at_equal_p99_ttft") or {}, speed)
     return s, cv
 
 
@@ -926,6 +932,10 @@ def print_table(doc: dict) -> None:
     print("summary:", json.dumps(doc.get("summary", {}).get("throughput_at_equal_p99_ttft")),
           "hit vs oracle:", json.dumps(doc.get("summary", {}).get("hit_tokens_vs_oracle")),
           "p90 affinity/kvmesh:", doc.get("summary", {}).get("ttft_p90_affinity_over_kvmesh"))
+    if doc.get("summary", {}).get("host_speed_decode_1row_s"):
+        print("hosts' speed (one-row decode step, s):", json.dumps(doc["summary"]["host_speed_decode_1row_s"]),
+              "throughput ratios adjusted to equal speed (an estimate):",
+              json.dumps(doc["summary"].get("throughput_at_equal_p99_ttft_speed_adjusted")))
     for name, pts in (doc.get("summary", {}).get("worker_cpu_share") or {}).items():
         print(f"worker CPU share of the hosts' capacity, {name}:",
               ", ".join(f"{p['rate']:g}/s {_f(p['share'])}" for p in pts))

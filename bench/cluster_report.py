@@ -115,6 +115,30 @@ def summary(curves: dict[str, list[Point]], hits: dict[str, float], oracle_hits:
     return out
 
 
+def host_speed(stage_steps: dict[str, list[float | None]]) -> dict[str, float | None]:
+    """Per configuration: the median over its stages of ``decode_1row_s`` (``bench/steps.py``, the
+    forward time of a one-row decode step: the same work for every configuration), i.e. how fast
+    the hosts were while that configuration ran; None without step traces."""
+    out: dict[str, float | None] = {}
+    for name, vals in stage_steps.items():
+        xs = sorted(v for v in vals if v)
+        out[name] = (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2) if xs else None
+    return out
+
+
+def speed_adjusted(ratios: dict[str, float | None], speed: dict[str, float | None]) -> dict[str, float | None]:
+    """``kvmesh_vs_<base>`` ratios as if both configurations had met the same hosts' speed: each
+    ratio x (kvmesh's one-row decode step / the baseline's). An estimate beside the measured ratio
+    (a compute-bound throughput scales with the hosts' speed), not a replacement for it: a
+    configuration whose own overhead slowed its steps would be credited for it."""
+    out: dict[str, float | None] = {}
+    for key, r in ratios.items():
+        base = key.removeprefix("kvmesh_vs_")
+        k, b = speed.get("kvmesh"), speed.get(base)
+        out[key] = r * k / b if r is not None and k and b else None
+    return out
+
+
 TARGETS = {"hit_tokens_vs_oracle": 0.95, "kvmesh_vs_affinity": 1.3, "kvmesh_vs_pow2": 2.0,
            "ttft_p90_affinity_over_kvmesh": 3.0}
 

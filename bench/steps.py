@@ -11,7 +11,10 @@ baselines' engine replicas run the same engine):
     another request (what a load-aware placement avoids when another engine is idle), and
     ``idle_elsewhere_at_add``: the share that did so while some other engine of the run was idle;
   * ``prefill_tok_s``: prompt tokens computed per second of forward time in steps that carried
-    prefill, and ``decode_step_s``: the mean forward time of pure decode steps (the hosts' speed);
+    prefill, and ``decode_step_s``: the mean forward time of pure decode steps;
+  * ``decode_1row_s``: the median forward time of one-row decode steps, the same work in every
+    configuration: the hosts' speed during the window (on this machine it drifts by up to 2x over
+    a day, so configurations run one after another can meet different machines);
   * ``per_engine``: requests added per engine;
   * ``busy_share``: per engine, its forward time over the window (how much of the stage it
     computed; engines left idle while requests queue elsewhere show here), and
@@ -92,6 +95,7 @@ def summarize(engines: dict[str, list[dict]], t0: float = float("-inf"), t1: flo
     per_engine: dict[str, int] = {}
     forward: dict[str, float] = {}
     dec_rows = 0
+    one_row: list[float] = []
     spans = {e: _busy_spans(recs) for e, recs in engines.items()}
     for e, recs in engines.items():
         adds = {}
@@ -118,6 +122,8 @@ def summarize(engines: dict[str, list[dict]], t0: float = float("-inf"), t1: flo
                     dec_s += r["dt"]
                     dec_n += 1
                     dec_rows += rows
+                    if rows == 1:
+                        one_row.append(r["dt"])
     return {"requests": adds_total,
             "engine_ttft_s": {"p50": _pct(ttft, 0.5), "p90": _pct(ttft, 0.9)},
             "busy_at_add": busy / adds_total if adds_total else None,
@@ -125,6 +131,7 @@ def summarize(engines: dict[str, list[dict]], t0: float = float("-inf"), t1: flo
             "prefill_tok_s": pre_tok / pre_s if pre_s else None,
             "decode_step_s": dec_s / dec_n if dec_n else None,
             "decode_rows_mean": dec_rows / dec_n if dec_n else None,
+            "decode_1row_s": _pct(one_row, 0.5), "decode_1row_steps": len(one_row),
             "forward_s_per_request": sum(forward.values()) / adds_total if adds_total else None,
             "busy_share": ({e: forward.get(e, 0.0) / (t1 - t0) for e in engines}
                            if t1 - t0 < float("inf") and t1 > t0 else None),

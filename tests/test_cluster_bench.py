@@ -273,6 +273,45 @@ def test_finish_summarises_the_hot_prefix_series_apart_from_the_shared_prefix_on
     assert (tmp_path / "cluster.png").exists()
 
 
+def test_ratios_adjusted_to_the_speed_each_configuration_met():
+    # kvmesh's stages met hosts 20% slower (one-row decode steps 0.24 s against 0.20 s)
+    speed = report.host_speed({"kvmesh": [0.24, None, 0.22, 0.26], "affinity": [0.20, 0.19, 0.21], "pow2": [None]})
+    assert speed == {"kvmesh": pytest.approx(0.24), "affinity": pytest.approx(0.20), "pow2": None}
+    adj = report.speed_adjusted({"kvmesh_vs_affinity": 1.0, "kvmesh_vs_pow2": 1.5}, speed)
+    assert adj == {"kvmesh_vs_affinity": pytest.approx(1.2), "kvmesh_vs_pow2": None}  # no pow2 speed: no estimate
+    assert report.speed_adjusted({"kvmesh_vs_affinity": None}, speed) == {"kvmesh_vs_affinity": None}
+
+
+def test_finish_and_host_speed_report_the_speed_adjusted_ratio(tmp_path):
+    from bench import host_speed
+    from bench.cluster import finish
+
+    def stage(k, rate, p99, step):
+        return dict(_stage(k, rate, p99, 100, 100), engine_steps={"decode_1row_s": step})
+
+    doc = {"machine": {}, "load_avg": {}, "configs": {
+        "kvmesh": {"shared_prefix": [stage(1, 1.0, 1.0, 0.24), stage(2, 1.8, 2.0, 0.24)]},
+        "affinity": {"shared_prefix": [stage(1, 1.0, 1.5, 0.2), stage(2, 1.6, 4.0, 0.2)]}}}
+    finish(doc, tmp_path / "cluster.json")
+    s = json.loads((tmp_path / "cluster.json").read_text())["summary"]
+    raw = s["throughput_at_equal_p99_ttft"]["kvmesh_vs_affinity"]
+    assert s["host_speed_decode_1row_s"] == {"kvmesh": pytest.approx(0.24), "affinity": pytest.approx(0.2)}
+    assert s["throughput_at_equal_p99_ttft_speed_adjusted"]["kvmesh_vs_affinity"] == pytest.approx(raw * 1.2)
+    # a run recorded without decode_1row_s: read from the step traces over each stage's window
+    for st in doc["configs"]["kvmesh"]["shared_prefix"] + doc["configs"]["affinity"]["shared_prefix"]:
+        del st["engine_steps"]
+    doc["configs"]["kvmesh"]["shared_prefix"][0]["wall_clock"] = [100.0, 200.0]
+    (tmp_path / "old.json").write_text(json.dumps(doc))
+    steps_dir = tmp_path / "steps" / "kvmesh"
+    steps_dir.mkdir(parents=True)
+    recs = [{"ev": "step", "t": 150.0, "dt": 0.3, "tok": {"b": 1}, "rows": {"b": 1}},
+            {"ev": "step", "t": 250.0, "dt": 9.0, "tok": {"b": 1}, "rows": {"b": 1}}]  # outside the stage
+    (steps_dir / "w1-steps-1.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+    (row,) = host_speed.main([str(tmp_path / "old.json"), "--steps", str(tmp_path / "steps")])
+    assert row["shared_prefix"]["stage_decode_1row_s"]["kvmesh"] == [0.3, None]
+    assert row["shared_prefix"]["host_speed_decode_1row_s"] == {"kvmesh": 0.3, "affinity": None}
+
+
 def test_group_traffic_counts_each_stages_requests_per_system_prompt():
     from bench.cluster import group_traffic
 
@@ -384,6 +423,7 @@ def test_step_traces_tell_where_a_request_waited(tmp_path):
     assert s["prefill_tok_s"] == pytest.approx((511 + 511 + 255) / 5.4)
     assert s["decode_step_s"] == pytest.approx(0.5)
     assert s["decode_rows_mean"] == 1.0 and s["forward_s_per_request"] == pytest.approx(5.9 / 3)
+    assert s["decode_1row_s"] == 0.5 and s["decode_1row_steps"] == 1  # the hosts' speed: one-row decode
     assert s["busy_share"] == {"w1-steps-1": pytest.approx(4.9 / 25), "w2-steps-2": pytest.approx(1.0 / 25)}
     assert steps.summarize(steps.read(sorted(tmp_path.glob("*.jsonl"))))["busy_share"] is None
 
