@@ -135,6 +135,10 @@ class AppSettings:
     # "unqueued" (no request waits there for its first token), "idle" (nothing in flight: before
     # session 22), "never" (an assignment fences the others out)
     lend_workers: str = "unqueued"
+    # a worker not lent now still takes another tenant's request that finds all of its prompt there
+    # but at most this many tokens (its own prefix, computed there before the assignment) instead
+    # of that prefix being recomputed elsewhere (PoolConfig.lend_hit_tokens; 0: off)
+    lend_hit_tokens: int = 64
     # a request on a lent worker runs below the owner's priority classes (Request.guest): the owner's
     # requests arriving meanwhile cap its prefill chunks (engine/scheduler.py); false (default, it
     # measured slower for owners and guests alike, cluster/README session 23): its tenant's class
@@ -161,6 +165,8 @@ class AppSettings:
             raise ValueError("router_prefix_fill must be in (0, 1] (1: off)")
         if self.lend_workers not in LEND_MODES:
             raise ValueError(f"lend_workers must be one of {LEND_MODES}, got {self.lend_workers!r}")
+        if not isinstance(self.lend_hit_tokens, int) or isinstance(self.lend_hit_tokens, bool) or self.lend_hit_tokens < 0:
+            raise ValueError(f"lend_hit_tokens must be an integer >= 0 (0: off), got {self.lend_hit_tokens!r}")
 
     @classmethod
     def from_args(cls, args):
@@ -208,6 +214,7 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                       auto_device=s.device is None, auto_dtype=s.dtype is None, ready_timeout_s=s.ready_timeout_s,
                       app=app, router_learn_decode=s.router_learn_decode, router_kv_memory=s.router_kv_memory,
                       router_idle_spill=s.router_idle_spill, lend_workers=s.lend_workers,
+                      lend_hit_tokens=s.lend_hit_tokens,
                       guests_yield=s.guests_yield, calibrate_prefill=s.calibrate_prefill,
                       router_spill_needs_share=s.router_spill_needs_share, router_balance_ratio=s.router_balance_ratio,
                       router_place_tie=s.router_place_tie, router_prefix_fill=s.router_prefix_fill)

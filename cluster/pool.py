@@ -44,14 +44,14 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import ray
 
 from actors.worker import worker_actor_class
 from cluster.routing import ROUTE_TIMEOUT_S, ROUTER_FLUSH_S, CostAwareRouter
-from cluster.types import (InFlight, LeastLoadedRouter, RouteChoice, Router, WorkerDied, WorkerState,  # noqa: F401 - re-exported
-                           WorkerUnavailable)
+from cluster.types import (NO_LOAN, HitLoan, InFlight, LeastLoadedRouter, RouteChoice, Router, WorkerDied,  # noqa: F401 - re-exported
+                           WorkerState, WorkerUnavailable)
 from engine.async_engine import EngineDead
 from engine.llm_engine import EngineConfig
 from engine.redact import describe_exc
@@ -89,6 +89,11 @@ class PoolConfig:
     # when another tenant's request may use a worker assigned to a tenant (WorkerPool.lendable):
     # "unqueued" (no request waits there for its first token), "idle" (nothing in flight), "never"
     lend_workers: str = "unqueued"
+    # a worker not lent now is still open to another tenant's request that finds all of its prompt
+    # there but at most this many tokens (its own prefix, computed there before the assignment):
+    # a short prefill ahead of the owner's next request instead of the whole prefix recomputed
+    # elsewhere (``HitLoan``; 0: off)
+    lend_hit_tokens: int = 64
     # a request on another tenant's (lent) worker runs there below the owner's priority classes
     # (``Request.guest``): the owner's requests arriving meanwhile cap the guest's prefill chunks.
     # Off by default: on the cluster bench's multi-tenant mix it made every tenant slower (session 23)
@@ -570,6 +575,17 @@ class WorkerPool:
         mode = self.config.lend_workers
         return (mode == "unqueued" and not w.queued) or (mode == "idle" and w.inflight == 0)
 
+    def hit_loan(self, tenant: str, candidates: Sequence[WorkerState]) -> HitLoan:
+        """The workers ``candidates`` leaves out (other tenants' and not lendable now), open to a
+        request of ``tenant`` that finds its prompt there (``HitLoan``, ``PoolConfig.lend_hit_tokens``)."""
+        n = self.config.lend_hit_tokens
+        if n <= 0 or self.config.lend_workers == "never":
+            return NO_LOAN
+        taken = {w.worker_id for w in candidates}
+        fenced = tuple(w for w in self.workers.values()
+                       if w.routable and w.tenant not in (None, tenant) and w.worker_id not in taken)
+        return HitLoan(fenced, n) if fenced else NO_LOAN
+
     async def acquire(self, request: Request, ready_timeout_s: float = 60.0) -> tuple[WorkerState, RouteChoice]:
         """Route a request and count it on the chosen worker: it stays in flight (demand, the
         worker's ``inflight``) until ``release``. On any error nothing stays counted."""
@@ -585,9 +601,11 @@ class WorkerPool:
             if not cands:
                 raise WorkerUnavailable(self.error or "no worker is ready")
             t0 = time.perf_counter()
-            choice = await self.router.choose(request, cands)
+            loan = self.hit_loan(request.tenant, cands)
+            choice = await self.router.choose(request, cands, loan)
             ws = self.workers.get(choice.worker_id)
-            if ws is not None and ws.tenant not in (None, request.tenant) and not self.lendable(ws):
+            if (ws is not None and ws.tenant not in (None, request.tenant) and not self.lendable(ws)
+                    and not loan.covers(choice.cached_tokens, len(request.prompt_ids))):
                 # lent, then taken by another request while the router chose: the choice again
                 # among the tenant's own and shared workers (if any; else it stays)
                 rest = [w for w in cands if w.tenant in (None, request.tenant)]

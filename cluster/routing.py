@@ -33,7 +33,7 @@ from actors.index_actor import lookup_template_with_timeout, lookup_with_timeout
 from actors.prefix_index import prompt_chains
 from actors.router import RouterClient
 from actors.worker import DonorPull, Pull
-from cluster.types import LeastLoadedRouter, RouteChoice, WorkerState
+from cluster.types import NO_LOAN, HitLoan, LeastLoadedRouter, RouteChoice, WorkerState
 from engine.sequence import Request
 from policies.placement import PlacementConfig, Placer
 from policies.replication import ReplicationConfig, ReplicationPolicy
@@ -97,7 +97,10 @@ class CostAwareRouter:
 
     max_donor_offers = 8  # donor offers sent with one request (the worker pulls at most one or two)
 
-    async def choose(self, request: Request, candidates: Sequence[WorkerState]) -> RouteChoice:
+    async def choose(self, request: Request, candidates: Sequence[WorkerState],
+                     loan: HitLoan = NO_LOAN) -> RouteChoice:
+        """``loan``: other tenants' workers (not lent now) that become candidates where the index
+        finds all but a few tokens of the prompt (``HitLoan``)."""
         found: dict[str, int] | None = {}  # None: the index did not answer in time
         chains: dict[str, list[bytes]] = {}
         slots: list[dict] | None = None
@@ -110,6 +113,10 @@ class CostAwareRouter:
                     lookup_template_with_timeout(self.index, request.template, domains, self.timeout_s))
             else:
                 found = await lookup_with_timeout(self.index, chains, self.timeout_s)
+        admitted = loan.admits(found, len(request.prompt_ids))
+        if admitted:
+            taken = {w.worker_id for w in candidates}
+            candidates = [*candidates, *(w for w in admitted if w.worker_id not in taken)]
         choice = await self._choose_exact(request, candidates, found, chains)
         if slots:
             offers = self._donor_offers(choice.worker_id, slots)

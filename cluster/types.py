@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 from engine.sequence import Request
 from policies.routing import CostConfig
@@ -116,13 +116,43 @@ class RouteChoice:
     guest: bool = False
 
 
+@dataclass(frozen=True)
+class HitLoan:
+    """Workers another tenant owns and does not lend now (``WorkerPool.lendable``), open to a
+    request that finds all of its prompt there but at most ``max_new_tokens`` (its own prefix,
+    computed there before the assignment): a short prefill ahead of the owner's next request
+    instead of recomputing the whole prefix on another worker (``PoolConfig.lend_hit_tokens``).
+    Only a router that knows where prefixes are (the index) can use it."""
+
+    workers: tuple[WorkerState, ...] = ()
+    max_new_tokens: int = 0
+
+    def admits(self, found: Mapping[str, int] | None, prompt_tokens: int) -> list[WorkerState]:
+        """The loan's workers that hold (``found``: the index's answer, tokens per worker) all but
+        at most ``max_new_tokens`` of a ``prompt_tokens`` prompt."""
+        if not found or not self.workers:
+            return []
+        need = max(1, prompt_tokens - self.max_new_tokens)
+        return [w for w in self.workers if found.get(w.worker_id, 0) >= need]
+
+    def covers(self, cached_tokens: int, prompt_tokens: int) -> bool:
+        """A route that reuses ``cached_tokens`` of the prompt computes few enough for the loan."""
+        return self.max_new_tokens > 0 and cached_tokens > 0 and prompt_tokens - cached_tokens <= self.max_new_tokens
+
+
+NO_LOAN = HitLoan()
+
+
 class Router(Protocol):
-    async def choose(self, request: Request, candidates: Sequence[WorkerState]) -> RouteChoice: ...
+    async def choose(self, request: Request, candidates: Sequence[WorkerState],
+                     loan: HitLoan = NO_LOAN) -> RouteChoice: ...
 
 
 class LeastLoadedRouter:
-    """Fewest in-flight tokens, then fewest requests, then worker id (deterministic)."""
+    """Fewest in-flight tokens, then fewest requests, then worker id (deterministic). Knows no
+    prefixes, so it takes no ``HitLoan``."""
 
-    async def choose(self, request: Request, candidates: Sequence[WorkerState]) -> RouteChoice:
+    async def choose(self, request: Request, candidates: Sequence[WorkerState],
+                     loan: HitLoan = NO_LOAN) -> RouteChoice:
         w = min(candidates, key=lambda w: (w.inflight_tokens, w.inflight, w.worker_id))
         return RouteChoice(w.worker_id)

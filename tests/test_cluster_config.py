@@ -74,6 +74,11 @@ def test_the_routers_decode_learning_is_an_app_argument_that_reaches_the_pool():
     assert pool_config(AppSettings.from_args({"lend_workers": "idle"}), tenants).lend_workers == "idle"
     with pytest.raises(ValueError, match="lend_workers"):
         AppSettings.from_args({"lend_workers": "always"})
+    assert pool_config(AppSettings.from_args({}), tenants).lend_hit_tokens == 64
+    assert pool_config(AppSettings.from_args({"lend_hit_tokens": 0}), tenants).lend_hit_tokens == 0
+    for bad in (-1, "64", True):
+        with pytest.raises(ValueError, match="lend_hit_tokens"):
+            AppSettings.from_args({"lend_hit_tokens": bad})
 
 
 def test_the_idle_spill_of_hot_groups_is_an_app_argument_that_reaches_the_router():

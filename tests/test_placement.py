@@ -698,6 +698,73 @@ def test_a_busy_workers_owner_lends_it_while_nobody_waits_there_for_a_first_toke
     assert ids("acme") == ["w0"] and ids("other") == ["w0", "w1"]  # none of its own: any
 
 
+class _Awaitable:
+    def __init__(self, value):
+        self.value = value
+
+    def __await__(self):
+        async def v():
+            return self.value
+        return v().__await__()
+
+
+class _FoundIndex:
+    """An index handle whose ``lookup`` answers ``found`` (tokens per worker) for any prompt."""
+
+    def __init__(self, found):
+        index = self
+
+        class _Lookup:
+            @staticmethod
+            def remote(chains):
+                index.asked += 1
+                return _Awaitable(dict(found))
+        self.lookup, self.asked = _Lookup, 0
+
+
+def test_a_worker_not_lent_takes_another_tenants_request_that_finds_its_prompt_there():
+    """The cluster bench's multi-tenant mix (sessions 25-26): acme's prefix sat on a worker since
+    assigned to another tenant, with a request waiting there (not lent, ``lend_workers``
+    "unqueued"), so acme's next request recomputed its 400-token prefix elsewhere. A request
+    that finds all but ``lend_hit_tokens`` of its prompt on such a worker may go there (a short
+    prefill ahead of the owner's next request); one that would compute more may not."""
+    from cluster.pool import PoolConfig, WorkerPool
+    from cluster.routing import CostAwareRouter
+    from cluster.types import HitLoan, WorkerState
+    from engine.sequence import Request, SamplingParams
+
+    prompt = list(range(1000, 1640))  # 640 tokens; the fenced worker holds 624 of them
+
+    def run(found, lend_hit_tokens=64, mode="unqueued"):
+        states = {"w0": WorkerState("w0", None, info={"num_blocks": 256}, tenant="acme"),
+                  "w1": WorkerState("w1", None, info={"num_blocks": 256}, tenant="globex")}
+        states["w1"].queued["g1"] = 40  # globex's own request waits there for its first token
+        states["w1"].inflight = 1
+        index = _FoundIndex(found)
+        router = CostAwareRouter("m", BS, index=index, client=_FakeClient(_cost_model(list(states))),
+                                 worker_lookup=states.get, timeout_s=1.0)
+        pool = WorkerPool(PoolConfig(lend_hit_tokens=lend_hit_tokens, lend_workers=mode), router=router)
+        pool._ready.set()
+        pool.workers.update(states)
+        assert [w.worker_id for w in pool.candidates("acme")] == ["w0"]  # w1 is not lent
+        req = Request("a1", prompt, SamplingParams(max_tokens=4), tenant="acme")
+        ws, choice = asyncio.run(pool.acquire(req))
+        return ws.worker_id, choice
+
+    wid, choice = run({"w1": 624})
+    assert wid == "w1" and choice.route == "local" and choice.cached_tokens == 624
+    wid, choice = run({"w1": 624}, lend_hit_tokens=0)  # off: as before, on w0 (the prefix pulled there or recomputed)
+    assert wid == "w0" and choice.route in ("pulled", "recomputed")
+    wid, _ = run({"w1": 320})  # 320 tokens to compute there: more than a short prefill, not lent
+    assert wid == "w0"
+    wid, _ = run({"w1": 624}, mode="never")  # an assignment that fences the others out holds
+    assert wid == "w0"
+    loan = HitLoan((WorkerState("w1", None, info={}),), 64)
+    assert [w.worker_id for w in loan.admits({"w1": 576}, 640)] == ["w1"]
+    assert loan.admits({"w1": 575}, 640) == [] and loan.admits(None, 640) == []
+    assert loan.covers(576, 640) and not loan.covers(0, 40) and not HitLoan((), 0).covers(640, 640)
+
+
 # -- p(reuse): warm evictions charged at how often they are needed again ----------------------
 def test_reuse_estimate_counts_ghosts_asked_before_their_deadline():
     from policies.placement import ReuseEstimate
