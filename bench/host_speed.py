@@ -10,7 +10,7 @@ wall-clock window, its median over the stages (``cluster_report.host_speed``), a
 an estimate beside the measured ratio, not a replacement for it).
 
     python bench/host_speed.py bench/results/cluster_s26_default.json [...] \\
-        [--steps bench/results/cluster_run/steps] [--out bench/results/host_speed.json]
+        [--steps bench/results/cluster_run/steps] [--out bench/results/host_speed.json] [--update]
 
 Step traces are read from ``<steps>/<configuration>/`` (where ``bench/cluster.py`` leaves them;
 every run's files stay there, each stage reads only the records inside its window).
@@ -65,13 +65,32 @@ def analyse(path: Path, steps_dir: Path) -> dict:
     return row
 
 
+def update(path: Path, row: dict) -> None:
+    """Each stage's ``engine_steps.decode_1row_s`` from ``row`` into the run's JSON, then
+    ``bench.cluster.finish`` (summary with the hosts' speed, table, PNG)."""
+    from bench.cluster import finish
+
+    doc = json.loads(path.read_text())
+    for key in SERIES:
+        for name, speeds in ((row.get(key) or {}).get("stage_decode_1row_s") or {}).items():
+            for st, v in zip(doc["configs"][name].get(key) or [], speeds):
+                st.setdefault("engine_steps", {})["decode_1row_s"] = v
+    finish(doc, path)
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", type=Path)
     ap.add_argument("--steps", type=Path, default=ROOT / "bench" / "results" / "cluster_run" / "steps")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--update", action="store_true",
+                    help="also write each stage's decode_1row_s into the run's JSON and redo its summary, "
+                         "table and PNG (bench/cluster.py's finish), as a run made now would have them")
     a = ap.parse_args(argv)
     rows = [analyse(f, a.steps) for f in a.files]
+    if a.update:
+        for f, row in zip(a.files, rows):
+            update(f, row)
     f = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     for r in rows:
         s = r.get("shared_prefix") or {}

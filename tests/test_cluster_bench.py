@@ -310,6 +310,11 @@ def test_finish_and_host_speed_report_the_speed_adjusted_ratio(tmp_path):
     (row,) = host_speed.main([str(tmp_path / "old.json"), "--steps", str(tmp_path / "steps")])
     assert row["shared_prefix"]["stage_decode_1row_s"]["kvmesh"] == [0.3, None]
     assert row["shared_prefix"]["host_speed_decode_1row_s"] == {"kvmesh": 0.3, "affinity": None}
+    host_speed.main([str(tmp_path / "old.json"), "--steps", str(tmp_path / "steps"), "--update"])
+    s = json.loads((tmp_path / "old.json").read_text())["summary"]  # redone with the speeds written in
+    assert s["host_speed_decode_1row_s"] == {"kvmesh": 0.3, "affinity": None}
+    assert s["throughput_at_equal_p99_ttft_speed_adjusted"] == {"kvmesh_vs_affinity": None}
+    assert (tmp_path / "old.png").exists()
 
 
 def test_group_traffic_counts_each_stages_requests_per_system_prompt():
