@@ -16,6 +16,7 @@ rate sweep: ``Point``s in the order the rates were offered.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, replace
 
 SUSTAIN = 0.85  # a rate is sustained when >= 85% of it comes out as completed requests per second
@@ -119,11 +120,8 @@ def host_speed(stage_steps: dict[str, list[float | None]]) -> dict[str, float | 
     """Per configuration: the median over its stages of ``decode_1row_s`` (``bench/steps.py``, the
     forward time of a one-row decode step: the same work for every configuration), i.e. how fast
     the hosts were while that configuration ran; None without step traces."""
-    out: dict[str, float | None] = {}
-    for name, vals in stage_steps.items():
-        xs = sorted(v for v in vals if v)
-        out[name] = (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2) if xs else None
-    return out
+    return {name: statistics.median(xs) if (xs := [v for v in vals if v]) else None
+            for name, vals in stage_steps.items()}
 
 
 def speed_adjusted(ratios: dict[str, float | None], speed: dict[str, float | None]) -> dict[str, float | None]:

@@ -600,7 +600,7 @@ def decision_record(kind: str, worker: WorkerId, key: bytes, prompt_tokens: int,
     TTFT, blocks it holds, warm blocks it would evict, prefix blocks of its pool, load, running
     (the ``DECISION_CANDIDATES`` fastest and the chosen one: a log of a large pool stays small)."""
     fastest = sorted(views, key=lambda v: (v.ttft_s, v.worker))[:DECISION_CANDIDATES]
-    views = fastest + [v for v in views if v.worker == worker and v not in fastest]
+    views = fastest + [v for v in views if v.worker == worker and all(f.worker != worker for f in fastest)]
     return {"t": round(now, 3), "kind": kind, "worker": worker, "group": key.hex()[:8],
             "prompt_tokens": prompt_tokens, "usable_blocks": usable_blocks, "prefill_s": round(prefill_s, 4),
             "candidates": {v.worker: {"ttft_s": round(v.ttft_s, 4), "local": v.local_blocks, "evict": v.eviction[0],

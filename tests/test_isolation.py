@@ -8,7 +8,6 @@ policy behind fake actor handles. Tiny model.
 """
 
 import asyncio
-import concurrent.futures
 import random
 
 import pytest
@@ -22,6 +21,7 @@ from engine.sequence import Request, SamplingParams
 from policies.introspection import tenant_view
 from policies.tenancy import (MAX_CACHE_SALT_CHARS, Tenants, TenantsError, domain_tenant, read_label,
                               salted_domain)
+from tests.fakes import Handle
 
 BS = 16
 T = ("Please classify the review below as positive or negative.\nReview: {text}\n"
@@ -185,37 +185,6 @@ def test_slot_registry_lookups_follow_the_domains(tenants):
 
 
 # -- the router's choices -------------------------------------------------------------------------
-class _Ref:
-    def __init__(self, value):
-        self.value = value
-
-    def future(self):
-        f = concurrent.futures.Future()
-        f.set_result(self.value)
-        return f
-
-    def __await__(self):
-        async def v():
-            return self.value
-        return v().__await__()
-
-
-class _Handle:
-    """Stands in for an actor handle: ``h.method.remote(*a)`` calls ``obj.method(*a)`` now."""
-
-    def __init__(self, obj):
-        self._obj = obj
-
-    def __getattr__(self, name):
-        fn = getattr(self._obj, name)
-
-        class _M:
-            @staticmethod
-            def remote(*a, **k):
-                return _Ref(fn(*a, **k))
-        return _M
-
-
 class _Index:
     """The index actor's queries over the real pure index and slot registry."""
 
@@ -253,13 +222,13 @@ def test_router_offers_no_pull_donor_or_replication_across_domains(tenants):
     idx.slots.register(SlotKey("sent", "c1", "acme"), "wa", "slot-a", 40)
     workers = {w: _Worker() for w in ("wa", "wb", "wc")}
     info = {"node_id": "n1", "model_id": model}
-    states = {w: WorkerState(w, _Handle(workers[w]), {**info, "node_id": f"n-{w}"}) for w in workers}
+    states = {w: WorkerState(w, Handle(workers[w]), {**info, "node_id": f"n-{w}"}) for w in workers}
     states["wa"].inflight, states["wa"].inflight_tokens = 1, 10 ** 7
     states["wa"].queued["load"] = 10 ** 7  # the holder is busy (its queue is the router's load signal): pulls pay off
     router_policy = Router(CostConfig(block_size=BS, bytes_per_token=1000))
     for w in workers:
         router_policy.register(w, f"n-{w}")
-    router = CostAwareRouter(model, BS, _Handle(idx), RouterClient(_Handle(router_policy), timeout_s=5.0),
+    router = CostAwareRouter(model, BS, Handle(idx), RouterClient(Handle(router_policy), timeout_s=5.0),
                              states.get, timeout_s=5.0, replication=ReplicationConfig(threshold=1))
     cands = [states["wa"], states["wb"]]
 

@@ -15,6 +15,7 @@ from engine.block_pool import prompt_chains
 from policies.placement import (TTFT_ONLY, PlacementConfig, Placer, ShadowCache, WorkerView, choose,
                                 rendezvous_order, share_lower_bound)
 from policies.routing import Candidate, CostConfig, CostModel, PrefillPrior, WorkerLoad
+from tests.fakes import Handle
 
 BS = 16
 
@@ -698,28 +699,14 @@ def test_a_busy_workers_owner_lends_it_while_nobody_waits_there_for_a_first_toke
     assert ids("acme") == ["w0"] and ids("other") == ["w0", "w1"]  # none of its own: any
 
 
-class _Awaitable:
-    def __init__(self, value):
-        self.value = value
-
-    def __await__(self):
-        async def v():
-            return self.value
-        return v().__await__()
-
-
 class _FoundIndex:
-    """An index handle whose ``lookup`` answers ``found`` (tokens per worker) for any prompt."""
+    """The index actor's ``lookup``, answering ``found`` (tokens per worker) for any prompt."""
 
     def __init__(self, found):
-        index = self
+        self.found = found
 
-        class _Lookup:
-            @staticmethod
-            def remote(chains):
-                index.asked += 1
-                return _Awaitable(dict(found))
-        self.lookup, self.asked = _Lookup, 0
+    def lookup(self, chains):
+        return dict(self.found)
 
 
 def test_a_worker_not_lent_takes_another_tenants_request_that_finds_its_prompt_there():
@@ -740,8 +727,7 @@ def test_a_worker_not_lent_takes_another_tenants_request_that_finds_its_prompt_t
                   "w1": WorkerState("w1", None, info={"num_blocks": 256}, tenant="globex")}
         states["w1"].queued["g1"] = 40  # globex's own request waits there for its first token
         states["w1"].inflight = 1
-        index = _FoundIndex(found)
-        router = CostAwareRouter("m", BS, index=index, client=_FakeClient(_cost_model(list(states))),
+        router = CostAwareRouter("m", BS, index=Handle(_FoundIndex(found)), client=_FakeClient(_cost_model(list(states))),
                                  worker_lookup=states.get, timeout_s=1.0)
         pool = WorkerPool(PoolConfig(lend_hit_tokens=lend_hit_tokens, lend_workers=mode), router=router)
         pool._ready.set()
