@@ -10,6 +10,14 @@ to the head. (A *soft* ``NodeAffinitySchedulingStrategy`` to the head did not ho
 with a head that offers no CPUs Ray placed them on the worker nodes anyway,
 ``tests/test_head_affinity.py``.) The head is where the GCS lives; a cluster that loses it
 loses Ray itself, so nothing is lost by not placing them elsewhere.
+
+The HTTP ingress replicas (``KvmeshIngress``, and ``BaselineIngress`` of the Serve-router
+baselines) ask for no CPU either and went to worker nodes too (the cluster bench, session 27:
+both configurations' ingress on a worker host, inside its CPU quota, next to an engine; kvmesh's
+ingress stage then took 0.07-0.13 s per request against 0.008 s on the head). They run where
+Serve's proxy runs (``proxy_location: HeadOnly``): ``ingress_actor_options``. A deployment's own
+``ray_actor_options`` in the Serve config still override it (e.g. to spread many ingress replicas
+with ``proxy_location: EveryNode``).
 """
 
 from __future__ import annotations
@@ -31,3 +39,9 @@ def on_head() -> dict:
     """Actor options that place the actor on the head node; ``{}`` when Ray has no head (then
     it goes where Ray puts it, as before)."""
     return {"resources": {HEAD_RESOURCE: 0.001}} if head_node_id() else {}
+
+
+def ingress_actor_options() -> dict:
+    """``ray_actor_options`` of an HTTP ingress deployment: no CPU, and on the head node when Ray
+    is up and has one (the application builders run in a Ray task; without Ray: no placement)."""
+    return {"num_cpus": 0, **(on_head() if ray.is_initialized() else {})}

@@ -403,6 +403,9 @@ def parse_args(argv=None):
                     help="engines write step traces (engine/step_trace.py); each stage gets engine_steps "
                          "(bench/steps.py: engine-side TTFT, requests that arrived at a busy engine, host speed)")
     ap.add_argument("--tag-prefix", default="kvc", help="prefix of the namespaces/links this run creates")
+    ap.add_argument("--barrier", default=None, metavar="DIR:N",
+                    help="paired runs (bench/cluster_paired.py): wait before each measured workload until N "
+                         "processes sharing DIR reach it, so that their loads run at the same time")
     ap.add_argument("--out", default=str(RESULTS / "cluster.json"))
     a = ap.parse_args(argv)
     rates = a.rates if a.rates is not None else ("0.5,1.5" if a.quick else "0.5,1.0,2.0")
@@ -419,6 +422,49 @@ def parse_args(argv=None):
     a.workloads = [w for w in a.workloads.split(",") if w]
     a.kvmesh_args = {k.strip(): yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in a.kvmesh_args.split(",") if kv)}
     return a
+
+
+class Barrier:
+    """Where paired runs meet (``bench/cluster_paired.py``: one ``cluster.py`` per configuration,
+    each on its own twin cluster). Before each measured workload every process touches
+    ``DIR/<workload>.<configuration>`` and waits until ``N`` such files exist, so that the
+    configurations are driven at the same time and meet the same machine: this machine's speed
+    drifts by up to 2x over a day, and run one after another, configurations met different
+    speeds (``bench/host_speed.py``). A process that stops (done or failed) leaves
+    ``DIR/left.<configuration>``, which counts for every later workload, so the others never wait
+    for it. Without ``--barrier`` it does nothing."""
+
+    def __init__(self, spec: str | None, timeout_s: float = 1800.0):
+        self.dir, self.n, self.timeout_s = None, 1, timeout_s
+        if spec:
+            d, n = spec.rsplit(":", 1)
+            self.dir, self.n = Path(d), int(n)
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    def meet(self, workload: str, name: str, log=None) -> float:
+        """Returns the seconds waited."""
+        if self.dir is None:
+            return 0.0
+        (self.dir / f"{workload}.{name}").touch()
+        t0 = time.monotonic()
+        while len({p.name.split(".", 1)[1] for p in [*self.dir.glob(f"{workload}.*"), *self.dir.glob("left.*")]}) \
+                < self.n and time.monotonic() - t0 < self.timeout_s:
+            time.sleep(0.5)
+        waited = time.monotonic() - t0
+        if log and waited > 1:
+            log(f"{name}: waited {waited:.0f}s for the paired runs at {workload}")
+        return waited
+
+    def skip(self, workloads, name: str) -> None:
+        """Workloads this configuration does not run: the others need not wait for it there."""
+        if self.dir is not None:
+            for w in workloads:
+                (self.dir / f"{w}.{name}").touch()
+
+    def leave(self, names) -> None:
+        if self.dir is not None:
+            for n in names:
+                (self.dir / f"left.{n}").touch()
 
 
 def _interrupt(signum, frame):  # SIGTERM/SIGINT (also when started in the background): clean up, then exit
@@ -485,6 +531,7 @@ def main(argv=None) -> dict:
                     try:
                         run_config(cl, name, args, exe, mdir, tok, kv_bytes, others, grants, bar, log, doc)
                     except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the others
+                        Barrier(args.barrier).leave([name])
                         log(f"{name} failed: {type(e).__name__}: {e}")
                         doc["configs"].setdefault(name, {})["error"] = f"{type(e).__name__}: {e}"[:2000]
                         cl.shutdown_serve()
@@ -493,6 +540,7 @@ def main(argv=None) -> dict:
                 doc["cluster"]["cpu_throttling"] = {n: cpuquota.throttled(p) for n, p in lab.cgroups.items()}
                 doc["cluster"]["ray_down_rc"] = cl.down()
     finally:
+        Barrier(args.barrier).leave(args.configs)
         bar.close()
         lab = lab_ref.get("lab")
         doc["leftovers"] = {"namespaces_and_links": leftovers(args.tag_prefix),
@@ -521,10 +569,16 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
                                    setup.BENCH_TENANT) for i in range(2 * args.workers)]
         asyncio.run(drive(cl.base_url, warm, [None] * len(warm)))
         bar.update(1)
+        barrier = Barrier(args.barrier)
+        if approx_only:
+            barrier.skip(["shared_prefix", "hot_prefix", *[f"{k}-{i}" for k in ("shared_prefix", "hot_prefix")
+                                                           for i in range(len(args.rates) + len(args.hot_rates))],
+                          *[w for w in others if w != "multi_tenant"]], name)
         m0 = parse_prometheus(cl.get("/metrics")[1])
         if not approx_only and args.sweep == "steady":
             for key, hot, rates in (("shared_prefix", False, args.rates), ("hot_prefix", True, args.hot_rates)):
                 if rates:
+                    barrier.meet(key, name, log)
                     stages = shared_prefix_steady(cl, name, args, exe, mdir, tok, rates, log, hot=hot)
                     res[f"{key}_warmup"], res[key] = stages[0], stages[1:]
                     if name.startswith("kvmesh"):  # its placement log: how the groups came to be split so
@@ -534,6 +588,7 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
             m0 = parse_prometheus(cl.get("/metrics")[1])
         elif not approx_only:
             for k, rate in enumerate(args.rates):
+                barrier.meet(f"shared_prefix-{k}", name, log)
                 res["shared_prefix"].append(shared_prefix_rate(cl, name, args, exe, mdir, tok, k, rate, log))
                 m1 = parse_prometheus(cl.get("/metrics")[1])
                 res["shared_prefix"][-1]["kvmesh_metrics"] = decisions(metrics_delta(m0, m1), m1)
@@ -542,6 +597,7 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
                 write(doc, Path(args.out))
             res["hot_prefix"] = []
             for k, rate in enumerate(args.hot_rates):
+                barrier.meet(f"hot_prefix-{k}", name, log)
                 res["hot_prefix"].append(shared_prefix_rate(cl, name, args, exe, mdir, tok, k, rate, log, hot=True))
                 m1 = parse_prometheus(cl.get("/metrics")[1])
                 res["hot_prefix"][-1]["kvmesh_metrics"] = decisions(metrics_delta(m0, m1), m1)
@@ -552,6 +608,7 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
         for wname, (items, extras) in others.items():
             if approx_only and wname != "multi_tenant":
                 continue
+            barrier.meet(wname, name, log)
             log(f"{name}: {wname} ({len(items)} requests)")
             t0, wall0 = time.monotonic(), time.time()
             cpu0 = cpu_by_component(cl)

@@ -27,6 +27,7 @@ from ray import serve
 from ray.serve import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from actors.head_affinity import ingress_actor_options
 from cluster.metrics import CONTENT_TYPE_LATEST, Metrics
 import ray
 
@@ -225,7 +226,8 @@ def build_app(args: dict) -> Application:
     settings = AppSettings.from_args(args)
     path = Path(settings.tenants) if settings.tenants else tenants_path(EXAMPLE_TENANTS)
     tenants_data = read_tenants_file(path)
-    return KvmeshIngress.bind(dataclasses.asdict(settings), tenants_data)
+    return KvmeshIngress.options(ray_actor_options=ingress_actor_options()).bind(dataclasses.asdict(settings),
+                                                                                 tenants_data)
 
 
 app = FastAPI(title="kvmesh", docs_url=None, redoc_url=None)

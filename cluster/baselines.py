@@ -37,6 +37,7 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 import cluster.app as kvmesh_app
+from actors.head_affinity import ingress_actor_options
 from cluster.app import AppSettings, pool_config
 from cluster.pool import resolve_pool_config
 from cluster.types import RouteChoice
@@ -215,4 +216,5 @@ def build_app(args: dict) -> Application:
     if router == "affinity":
         options["request_router_config"] = RequestRouterConfig(request_router_class=AFFINITY_ROUTER)
     engines = EngineReplica.options(**options).bind(engine)
-    return BaselineDeployment.bind(dataclasses.asdict(settings), tenants_data, engines)
+    return BaselineDeployment.options(ray_actor_options=ingress_actor_options()).bind(
+        dataclasses.asdict(settings), tenants_data, engines)

@@ -3,6 +3,7 @@ configs, the KV sizing, the throughput-at-equal-p99 interpolation, the summary k
 and inference-perf report parsing."""
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -579,3 +580,57 @@ def test_placement_log_merges_overlapping_reads_in_time_order(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "-- kvmesh: 3 decisions" in out and "cc -> w0" in out
     assert len(json.loads((tmp_path / "log.json").read_text())["placement_log"]) == 3
+
+
+def test_paired_runs_meet_at_each_workload_and_never_wait_for_one_that_left(tmp_path):
+    """bench/cluster.Barrier: a process waits at a workload until every paired process reached it;
+    a process that skips the workload or has stopped does not hold the others."""
+    import threading
+
+    from bench.cluster import Barrier
+
+    spec = f"{tmp_path / 'b'}:2"
+    arrived = []
+
+    def late():
+        time.sleep(0.8)
+        arrived.append(time.monotonic())
+        Barrier(spec).meet("shared_prefix", "kvmesh")
+
+    t = threading.Thread(target=late)
+    t.start()
+    Barrier(spec).meet("shared_prefix", "affinity")
+    done = time.monotonic()
+    t.join()
+    assert arrived and done >= arrived[0]  # affinity went on only once kvmesh had come
+    Barrier(spec).skip(["multi_turn"], "kvmesh+approx")  # a name with '+' and a skipped workload
+    assert Barrier(spec).meet("multi_turn", "affinity") < 0.5
+    Barrier(spec).leave(["kvmesh"])
+    assert Barrier(spec).meet("trace", "affinity") < 0.5  # kvmesh stopped: nobody waits for it
+    assert Barrier(f"{tmp_path / 'c'}:2", timeout_s=0.3).meet("x", "a") >= 0.3  # bounded even if the peer hangs
+    assert Barrier(None).meet("x", "a") == 0.0  # no --barrier: a sequential run never waits
+
+
+def test_paired_run_passes_its_defaults_unless_given_and_merges_one_document(tmp_path):
+    from bench import cluster_paired
+    from bench.cluster import finish
+
+    args = cluster_paired.child_args(["--rates=0.5,1", "--data-seed", "2"], 0.2)
+    assert "--rates=0.5,1" in args and not any(a.startswith("--rates=0.25") for a in args)
+    assert "--node-cpus=0.2" in args and "--step-trace" in args
+    assert f"--stage-s={cluster_paired.PAIRED_DEFAULTS['--stage-s']}" in args
+    assert cluster_paired.child_args(["--node-cpus=0.3"], 0.2).count("--node-cpus=0.3") == 1
+    docs = {"affinity": {"machine": {}, "load_avg": {}, "args": {"configs": ["affinity"]},
+                         "configs": {"affinity": {"shared_prefix": [_stage(1, 1.0, 1.5, 100, 100),
+                                                                    _stage(2, 1.6, 4.0, 100, 100)]}}},
+            "kvmesh": {"machine": {}, "load_avg": {}, "args": {"configs": ["kvmesh"]},
+                       "configs": {"kvmesh": {"shared_prefix": [_stage(1, 1.0, 1.0, 95, 100),
+                                                                _stage(2, 1.8, 2.0, 95, 100)]}}},
+            "pow2": {}}  # its process failed before it wrote anything
+    doc = cluster_paired.merge(docs, {"affinity": {"rc": 0}, "kvmesh": {"rc": 0}, "pow2": {"rc": 1, "error": "boom"}})
+    assert doc["args"]["configs"] == ["affinity", "kvmesh", "pow2"]
+    assert doc["configs"]["pow2"] == {"error": "boom"}
+    finish(doc, tmp_path / "paired.json")
+    s = json.loads((tmp_path / "paired.json").read_text())["summary"]
+    assert s["throughput_at_equal_p99_ttft"]["kvmesh_vs_affinity"] > 1.0
+    assert s["hit_tokens_vs_oracle"] == {"affinity": 1.0, "kvmesh": 0.95, "oracle": 1.0}

@@ -1,5 +1,6 @@
-"""kvmesh's zero-CPU control actors (index, router; the controller uses the same options) run on
-the head node, not next to an engine on a worker node."""
+"""kvmesh's zero-CPU control actors (index, router; the controller uses the same options) and the
+HTTP ingress deployments (kvmesh's and the Serve-router baselines') run on the head node, not next
+to an engine on a worker node."""
 
 import os
 
@@ -11,7 +12,7 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.state import list_actors  # noqa: E402
 
-from actors.head_affinity import head_node_id, on_head  # noqa: E402
+from actors.head_affinity import head_node_id, ingress_actor_options, on_head  # noqa: E402
 from actors.index_actor import get_or_create_index  # noqa: E402
 from actors.router import get_or_create_router  # noqa: E402
 
@@ -37,6 +38,15 @@ def test_control_actors_prefer_the_head_even_when_it_offers_no_cpus():
         handles = [get_or_create_index()] + [get_or_create_router(app=f"app{i}") for i in range(6)]
         ray.get([h.__ray_ready__.remote() for h in handles], timeout=60)
         assert {node_of(h) for h in handles} == {head}
+        # the ingress deployments ask for the same head resource (Serve places a replica as Ray
+        # places its actor); built as `serve run`/`serve deploy` builds them, in a Ray process
+        from cluster import baselines
+        from cluster.app import build_app
+
+        for app in (build_app({"model": "tiny-llama"}), baselines.build_app({"model": "tiny-llama",
+                                                                               "router": "affinity"})):
+            assert app._bound_deployment.ray_actor_options == {"num_cpus": 0, **on_head()}
     finally:
         ray.shutdown()
         c.shutdown()
+    assert ingress_actor_options() == {"num_cpus": 0}  # no Ray: no placement asked
