@@ -32,7 +32,7 @@ from cluster.metrics import CONTENT_TYPE_LATEST, Metrics
 import ray
 
 from cluster.controller import ConfigMismatch, ControllerClient, ControllerClosing, Rejected, TemplateQuotaExceeded
-from cluster.input_limits import ENCODE_INLINE_CHARS, InputLimits, _vocab_size, check_template, read_body
+from cluster.input_limits import ENCODE_INLINE_CHARS, InputLimits, check_template, read_body
 from cluster.pool import LEND_MODES, PoolConfig, WorkerUnavailable
 from cluster.choices import Assembler, PromptInfo, TokenIds, TokenTexts, chunk_event, response
 from cluster.protocol import (DONE, ApiError, ChatRequest, CompletionRequest, DetokenizeBody, Served, TemplateBody,
