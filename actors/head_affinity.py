@@ -13,8 +13,8 @@ loses Ray itself, so nothing is lost by not placing them elsewhere.
 
 The HTTP ingress replicas (``KvmeshIngress``, and ``BaselineIngress`` of the Serve-router
 baselines) ask for no CPU either and went to worker nodes too (the cluster bench, session 27:
-both configurations' ingress on a worker host, inside its CPU quota, next to an engine; kvmesh's
-ingress stage then took 0.07-0.13 s per request against 0.008 s on the head). They run where
+both configurations' ingress on a worker host, inside its CPU quota, next to an engine; the
+ingress stage then took 0.06-0.15 s per request against 0.013-0.026 s on the head). They run where
 Serve's proxy runs (``proxy_location: HeadOnly``): ``ingress_actor_options``. A deployment's own
 ``ray_actor_options`` in the Serve config still override it (e.g. to spread many ingress replicas
 with ``proxy_location: EveryNode``).

@@ -1,6 +1,6 @@
 """The cluster bench with its configurations side by side in time: one twin cluster each, driven at once.
 
-    sudo nice -n 5 .venv/bin/python bench/cluster_paired.py           # affinity and kvmesh, ~15 min
+    sudo nice -n 5 .venv/bin/python bench/cluster_paired.py           # affinity and kvmesh, ~20 min
     sudo nice -n 5 .venv/bin/python bench/cluster_paired.py --configs pow2,affinity,kvmesh -- --rates 0.2,0.4,0.8
 
 Why: ``bench/cluster.py`` runs its configurations one after another (about 9 minutes each), and
@@ -61,8 +61,7 @@ def child_args(rest: list[str], node_cpus: float) -> list[str]:
 def merge(docs: dict[str, dict], procs: dict[str, dict]) -> dict:
     """One cluster.py document from the per-configuration ones (each ran one configuration)."""
     first = next((d for d in docs.values() if d), {})
-    doc = {k: v for k, v in first.items() if k not in ("configs", "summary", "targets", "hit_ratios", "cluster",
-                                                       "leftovers", "steps")}
+    doc = {k: v for k, v in first.items() if k not in ("configs", "summary", "targets", "hit_ratios", "leftovers")}
     doc["args"] = dict(first.get("args") or {}, configs=list(docs))
     doc["configs"] = {}
     for name, d in docs.items():
@@ -70,9 +69,7 @@ def merge(docs: dict[str, dict], procs: dict[str, dict]) -> dict:
                                                                           "no result"}
     doc["paired"] = {"configs": list(docs), "processes": procs,
                      "clusters": {n: d.get("cluster") for n, d in docs.items()},
-                     "leftovers": {n: d.get("leftovers") for n, d in docs.items()},
                      "load_avg": {n: d.get("load_avg") for n, d in docs.items()}}
-    doc["cluster"] = first.get("cluster")
     doc["leftovers"] = {k: [x for d in docs.values() for x in (d.get("leftovers") or {}).get(k) or []]
                         for k in ("namespaces_and_links", "host_processes")}
     return doc
@@ -114,6 +111,7 @@ def main(argv=None) -> dict:
     node_cpus = round(0.8 * (os.cpu_count() or 1) / (args.workers * len(args.configs)), 3)
     rest = child_args([*args.rest, f"--workers={args.workers}"], node_cpus)
     procs: dict[str, subprocess.Popen] = {}
+    logs = []
     info: dict[str, dict] = {}
 
     def stop(signum, frame):  # each child cleans up its own hosts on SIGTERM
@@ -129,8 +127,8 @@ def main(argv=None) -> dict:
             d.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, str(Path(__file__).with_name("cluster.py")), f"--configs={name}", *rest,
                    f"--tag-prefix=kp{i}", f"--barrier={barrier}:{len(args.configs)}", f"--out={d / 'cluster.json'}"]
-            log = open(d / "log.txt", "w")
-            procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            logs.append(open(d / "log.txt", "w"))
+            procs[name] = subprocess.Popen(cmd, stdout=logs[-1], stderr=subprocess.STDOUT)
             info[name] = {"cmd": cmd[1:], "log": str(d / "log.txt"), "out": str(d / "cluster.json"),
                           "pid": procs[name].pid}
             print(f"[{time.strftime('%H:%M:%S', time.gmtime())}] {name}: pid {procs[name].pid}, log {d / 'log.txt'}",
@@ -143,6 +141,8 @@ def main(argv=None) -> dict:
         stop(None, None)
         for p in procs.values():
             p.wait()
+        for f in logs:
+            f.close()
     return summarize(info, out, node_cpus, round(time.monotonic() - t0, 1))
 
 
