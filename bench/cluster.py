@@ -292,7 +292,7 @@ async def drive(base_url: str, items: list[workloads.WorkItem], extras: list[dic
 def other_workloads(args, tok) -> dict[str, tuple[list[workloads.WorkItem], list[dict | None]]]:
     """multi_turn, multi_tenant (+ the template tenant) and the Mooncake trace, as work items."""
     q = args.quick
-    mt = workloads.multi_turn(sessions=4 if q else 6, turns=3, system_len=256, user_len=32, output_len=16,
+    mt = workloads.multi_turn(sessions=args.multi_turn_sessions or (4 if q else 6), turns=3, system_len=256, user_len=32, output_len=16,
                               rate_per_s=0.5, think_s=4.0, seed=1, tenant=setup.BENCH_TENANT)
     mix = workloads.multi_tenant(requests=24 if q else 32, rate_per_s=args.other_rate, output_len=16, seed=2)
     titems, textras = template_items(8 if q else 12, args.other_rate / 3, 3, tok)
@@ -384,6 +384,8 @@ def parse_args(argv=None):
                          "with a template tenant; elsewhere kvmesh+approx is kvmesh)")
     ap.add_argument("--workloads", default="multi_turn,multi_tenant,mooncake_trace",
                     help="kvmesh-loadgen workloads to run after the shared-prefix sweep ('' for none)")
+    ap.add_argument("--multi-turn-sessions", type=int, default=None,
+                    help="chat sessions of the multi-turn workload (3 turns each; default 6, --quick 4)")
     ap.add_argument("--kvmesh-args", default="",
                     help="extra app arguments of the kvmesh configurations, key=value comma separated (values "
                          "parsed as YAML), e.g. router_learn_decode=false")
@@ -432,10 +434,13 @@ class Barrier:
     drifts by up to 2x over a day, and run one after another, configurations met different
     speeds (``bench/host_speed.py``). A process that stops (done or failed) leaves
     ``DIR/left.<configuration>``, which counts for every later workload, so the others never wait
-    for it. Without ``--barrier`` it does nothing."""
+    for it. A process's files carry its ``run`` tag (``--tag-prefix``: ``<configuration>@<tag>``),
+    so two processes may run one configuration with different settings (``--kvmesh-args``) side by
+    side. Without ``--barrier`` it does nothing."""
 
-    def __init__(self, spec: str | None, timeout_s: float = 1800.0):
+    def __init__(self, spec: str | None, timeout_s: float = 1800.0, run: str = ""):
         self.dir, self.n, self.timeout_s = None, 1, timeout_s
+        self.run = run  # this process's tag: two processes may run configurations of one name
         if spec:
             d, n = spec.rsplit(":", 1)
             self.dir, self.n = Path(d), int(n)
@@ -445,7 +450,7 @@ class Barrier:
         """Returns the seconds waited."""
         if self.dir is None:
             return 0.0
-        (self.dir / f"{workload}.{name}").touch()
+        (self.dir / f"{workload}.{self._member(name)}").touch()
         t0 = time.monotonic()
         while len({p.name.split(".", 1)[1] for p in [*self.dir.glob(f"{workload}.*"), *self.dir.glob("left.*")]}) \
                 < self.n and time.monotonic() - t0 < self.timeout_s:
@@ -455,16 +460,19 @@ class Barrier:
             log(f"{name}: waited {waited:.0f}s for the paired runs at {workload}")
         return waited
 
+    def _member(self, name: str) -> str:
+        return f"{name}@{self.run}" if self.run else name
+
     def skip(self, workloads, name: str) -> None:
         """Workloads this configuration does not run: the others need not wait for it there."""
         if self.dir is not None:
             for w in workloads:
-                (self.dir / f"{w}.{name}").touch()
+                (self.dir / f"{w}.{self._member(name)}").touch()
 
     def leave(self, names) -> None:
         if self.dir is not None:
             for n in names:
-                (self.dir / f"left.{n}").touch()
+                (self.dir / f"left.{self._member(n)}").touch()
 
 
 def _interrupt(signum, frame):  # SIGTERM/SIGINT (also when started in the background): clean up, then exit
@@ -531,7 +539,7 @@ def main(argv=None) -> dict:
                     try:
                         run_config(cl, name, args, exe, mdir, tok, kv_bytes, others, grants, bar, log, doc)
                     except Exception as e:  # noqa: BLE001 - one configuration failing must not lose the others
-                        Barrier(args.barrier).leave([name])
+                        Barrier(args.barrier, run=args.tag_prefix).leave([name])
                         log(f"{name} failed: {type(e).__name__}: {e}")
                         doc["configs"].setdefault(name, {})["error"] = f"{type(e).__name__}: {e}"[:2000]
                         cl.shutdown_serve()
@@ -540,7 +548,7 @@ def main(argv=None) -> dict:
                 doc["cluster"]["cpu_throttling"] = {n: cpuquota.throttled(p) for n, p in lab.cgroups.items()}
                 doc["cluster"]["ray_down_rc"] = cl.down()
     finally:
-        Barrier(args.barrier).leave(args.configs)
+        Barrier(args.barrier, run=args.tag_prefix).leave(args.configs)
         bar.close()
         lab = lab_ref.get("lab")
         doc["leftovers"] = {"namespaces_and_links": leftovers(args.tag_prefix),
@@ -569,7 +577,7 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
                                    setup.BENCH_TENANT) for i in range(2 * args.workers)]
         asyncio.run(drive(cl.base_url, warm, [None] * len(warm)))
         bar.update(1)
-        barrier = Barrier(args.barrier)
+        barrier = Barrier(args.barrier, run=args.tag_prefix)
         if approx_only:
             barrier.skip(["shared_prefix", "hot_prefix", *[f"{k}-{i}" for k in ("shared_prefix", "hot_prefix")
                                                            for i in range(len(args.rates) + len(args.hot_rates))],

@@ -12,6 +12,7 @@ cached tokens) and the prompts (for the oracle).
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import json
 import os
@@ -49,8 +50,14 @@ def ensure_venv(cache: Path = CACHE) -> Path:
     exe = venv / "bin" / "inference-perf"
     if exe.exists():
         return exe
-    subprocess.run([find_python312(), "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"inference-perf=={VERSION}"], check=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    # paired runs start several processes at once on a fresh machine: one installs, the others wait
+    # (two creating one venv at once failed: 'python3.12 -m venv' returned 1 in the second)
+    with open(cache / "venv-inference-perf.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not exe.exists():
+            subprocess.run([find_python312(), "-m", "venv", str(venv)], check=True)
+            subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"inference-perf=={VERSION}"], check=True)
     return exe
 
 

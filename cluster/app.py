@@ -129,6 +129,11 @@ class AppSettings:
     # more than this share of their KV pool while a worker with room is within a few prefills
     # (PlacementConfig.prefix_fill, default 0.9); 1: off (cluster/README, session 24)
     router_prefix_fill: float | None = None
+    # near ties for a new prefix group go to a worker whose copies out are quick: one whose link makes
+    # a copy of the prompt's prefix take more than this x the quickest worker's (+ 0.05 s) is taken
+    # last, a group's copies being pulled from where it was placed (PlacementConfig.remote_ratio,
+    # default 2; cluster/README, session 28); 0: off
+    router_remote_ratio: float | None = None
     # a prefix block reused within this many seconds is evicted after requests' unshared tails
     # (EngineConfig.cache_protect_s, policies/eviction.py); 0: plain LRU
     cache_protect_s: float = 60.0
@@ -164,6 +169,8 @@ class AppSettings:
             raise ValueError("import_hold_s must be >= 0 (0: pulled KV is not held)")
         if self.router_prefix_fill is not None and not 0 < self.router_prefix_fill <= 1:
             raise ValueError("router_prefix_fill must be in (0, 1] (1: off)")
+        if self.router_remote_ratio is not None and not self.router_remote_ratio >= 0:
+            raise ValueError("router_remote_ratio must be >= 0 (0: off)")
         if self.lend_workers not in LEND_MODES:
             raise ValueError(f"lend_workers must be one of {LEND_MODES}, got {self.lend_workers!r}")
         if not isinstance(self.lend_hit_tokens, int) or isinstance(self.lend_hit_tokens, bool) or self.lend_hit_tokens < 0:
@@ -218,7 +225,8 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                       lend_hit_tokens=s.lend_hit_tokens,
                       guests_yield=s.guests_yield, calibrate_prefill=s.calibrate_prefill,
                       router_spill_needs_share=s.router_spill_needs_share, router_balance_ratio=s.router_balance_ratio,
-                      router_place_tie=s.router_place_tie, router_prefix_fill=s.router_prefix_fill)
+                      router_place_tie=s.router_place_tie, router_prefix_fill=s.router_prefix_fill,
+                      router_remote_ratio=s.router_remote_ratio)
 
 
 def build_app(args: dict) -> Application:

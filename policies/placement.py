@@ -109,8 +109,9 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     ``place_tie`` x its own prefill: where a group lands decides where its later requests go, so
     a host 10% faster now is worth less than balance) are broken by headroom: fewest warm
     evictions, not overloaded, fewest prefix blocks held (private and free blocks are both room;
-    this spreads groups evenly over caches they fill), least loaded now, coldest victims, then
-    the rendezvous order, not worker order.
+    this spreads groups evenly over caches they fill), not behind a slow link (``remote_ratio``:
+    a group's copies are pulled from where it was placed), least loaded now, coldest victims,
+    then the rendezvous order, not worker order.
 
 Invariants: a ``ShadowCache`` never holds more than its capacity; ``choose`` returns one of the
 given views; with no views it raises ``ValueError``; a measured p(reuse) lies in (0, 1); with
@@ -212,6 +213,11 @@ class PlacementConfig:
     # wait is paid once, an overfull pool for as long as its groups live. ``prefix_fill`` >= 1: off
     prefix_fill: float = 0.9
     fill_slack: float = 4.0
+    # near ties between workers go to one whose copies out are quick: a worker is *remote* when
+    # sending the prompt's prefix from it to the others (``WorkerView.copy_out_s``, the median over
+    # them) takes more than ``remote_ratio`` x the quickest worker's plus ``remote_abs_s``; 0: off
+    remote_ratio: float = 2.0
+    remote_abs_s: float = 0.05
     # a new group's first prompt counts as a prefix this long before a second prompt asks for it
     # (then for good): a prompt nobody repeats is a one-off, and a worker that took many is not full
     # of prefixes. Longer than ``warm_s``: a group's second request may come minutes after its
@@ -443,6 +449,12 @@ class WorkerView:
         return self.candidate.decode_wait_s if self.candidate is not None else 0.0
 
     @property
+    def copy_out_s(self) -> float:
+        """How long a copy of this prompt's prefix takes from here to another worker (the
+        candidate's ``copy_out_s``; 0 without estimates)."""
+        return self.candidate.copy_out_s if self.candidate is not None else 0.0
+
+    @property
     def pull_s(self) -> float:
         """The part of ``ttft_s`` its transfer adds when its option is a pull (not the part
         overlapping the wait in the queue)."""
@@ -466,16 +478,31 @@ def rendezvous_order(key: bytes, workers: Sequence[WorkerId]) -> dict[WorkerId, 
     return {w: i for i, w in enumerate(sorted(workers, key=lambda w: score[w], reverse=True))}
 
 
-def _headroom(over: set[WorkerId]) -> Callable[[WorkerView], tuple]:
+def _headroom(over: set[WorkerId], remote: set[WorkerId] = frozenset()) -> Callable[[WorkerView], tuple]:
     """The key that breaks near ties: fewest warm evictions; then not overloaded (its average
     queue wait within ``balance_ratio`` x the least-waiting worker's plus ``balance_abs_s``); then
     the fewest prefix blocks held (the most room for prefixes: private and free blocks are room
-    alike, evicting them costs nothing); then the least loaded now; then the coldest victims.
-    Prefixes held is what spreads new groups evenly over a cluster whose caches they fill (a
-    worker given one more group than the rest evicts the others' prefixes while another's room
-    lies unused; measured: 4/4/2/2 groups where 3/3/3/3 fit, session 11). ``over``: the
-    overloaded workers (``_overloaded``)."""
-    return lambda v: (v.eviction[0], v.worker in over, v.shared_blocks, v.load, v.eviction[1:], v.rank, v.worker)
+    alike, evicting them costs nothing); then not behind a slow link (``remote``); then the least
+    loaded now; then the coldest victims. Prefixes held is what spreads new groups evenly over a
+    cluster whose caches they fill (a worker given one more group than the rest evicts the others'
+    prefixes while another's room lies unused; measured: 4/4/2/2 groups where 3/3/3/3 fit, session
+    11). ``over``: the overloaded workers (``_overloaded``)."""
+    return lambda v: (v.eviction[0], v.worker in over, v.shared_blocks, v.worker in remote, v.load,
+                      v.eviction[1:], v.rank, v.worker)
+
+
+def _remote(views: Sequence[WorkerView], c: PlacementConfig) -> set[WorkerId]:
+    """Workers behind a slow link: a copy of the prompt's prefix from there takes more than
+    ``remote_ratio`` x the quickest worker's plus ``remote_abs_s``. A group placed on one is pulled
+    from there when it outgrows it (a hot prefix, a chat's shared system prompt), and each copy
+    then takes seconds (the cluster bench, session 28: a chat whose first turn landed on the
+    100 Mbit/s worker, pulls of 288 tokens from it 2.5-5 s, against ~0.2 s over 1 Gbit/s). A
+    tie-break only: such a worker still takes new groups when it holds fewer prefixes."""
+    if c.remote_ratio <= 0:
+        return set()
+    quickest = min(v.copy_out_s for v in views)
+    limit = c.remote_ratio * quickest + c.remote_abs_s
+    return {v.worker for v in views if v.copy_out_s > limit}
 
 
 def _overloaded(views: Sequence[WorkerView], c: PlacementConfig) -> set[WorkerId]:
@@ -520,7 +547,7 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
     threshold = max(c.min_match_blocks, c.min_match_fraction * usable_blocks)
     holders = [v for v in views if v.local_blocks >= threshold and v.local_blocks > 0]
     over = _overloaded(views, c)
-    headroom = _headroom(over)
+    headroom = _headroom(over, _remote(views, c))
     if holders:
         best_h_s = min(v.ttft_s for v in holders)
         best_h = min(_within(holders, best_h_s, c.tie_ratio, c.tie_abs_s), key=headroom)

@@ -38,6 +38,7 @@ import heapq
 import itertools
 import math
 import random
+import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Container, Iterable, Literal, Mapping, Sequence
@@ -47,6 +48,7 @@ NodeId = str
 RouteKind = Literal["local", "pulled", "recomputed"]
 
 _SCALE = 1024.0  # tokens; features are expressed in units of 1024 tokens for conditioning
+COPY_OUT_NODES = 16  # destinations ``CostModel.copy_out_s`` takes the median over
 
 
 # ----------------------------------------------------------------------------------------------
@@ -435,6 +437,9 @@ class Candidate:
     # in a ranking (best per worker): the expected TTFT of this worker's best pull, where a pull
     # was possible but ranked below this option (why a holder in the index was not pulled from)
     pull_option_ttft_s: float | None = None
+    # the median time to send the prompt's usable blocks from this worker's node to the other
+    # workers' nodes: what a later copy of a prefix placed here takes (0: no other node)
+    copy_out_s: float = 0.0
 
     @property
     def exposed_pull_s(self) -> float:
@@ -641,12 +646,14 @@ class CostModel:
         levels = sorted(set(held_blocks.values()))
         pending, shared = pending or {}, shared or {}
         out: list[Candidate] = []
+        copy_bytes = self.usable_tokens(prompt_tokens, prompt_tokens) * self.config.bytes_per_token
         for w in targets:
             own = max(held_blocks.get(w, 0), self.usable_tokens(prompt_tokens, pending.get(w, 0)) // bs) * bs
             wait, dec, kv = self._wait_parts(w, kv_blocks(prompt_tokens + 1, bs) * bs - shared.get(w, 0))
             pre = self.prefill_s(w, prompt_tokens - own, own)
+            copy_out = self.copy_out_s(w, targets, copy_bytes)
             out.append(Candidate(w, "local" if own else "recomputed", wait + pre, wait, pre, 0.0, own, 0,
-                                 decode_wait_s=dec, kv_wait_s=kv))
+                                 decode_wait_s=dec, kv_wait_s=kv, copy_out_s=copy_out))
             for level in levels:
                 if level * bs <= own:
                     continue
@@ -658,8 +665,20 @@ class CostModel:
                 pre = self.prefill_s(w, prompt_tokens - cached, cached)
                 queued = max(wait, pull_s) if self.config.pull_overlaps_wait else wait + pull_s
                 out.append(Candidate(w, "pulled", queued + pre, wait, pre, pull_s, own,
-                                     cached - own, ranges, dec, kv))
+                                     cached - own, ranges, dec, kv, copy_out_s=copy_out))
         return out
+
+    def copy_out_s(self, worker: WorkerId, workers: Sequence[WorkerId], nbytes: int) -> float:
+        """The median over the other nodes among ``workers`` of the estimated time to send
+        ``nbytes`` from ``worker``'s node there (0: no other node). Where a prefix is placed is
+        where its copies are pulled from once its group outgrows one worker: from a node behind a
+        slow link each copy takes seconds. At most ``COPY_OUT_NODES`` destinations are asked (a
+        fixed sample: the ranking stays linear in the workers on a large cluster)."""
+        src = self.nodes.get(worker, worker)
+        dsts = sorted({self.nodes.get(x, x) for x in workers} - {src})[:COPY_OUT_NODES]
+        if not dsts or nbytes <= 0:
+            return 0.0
+        return statistics.median(self.links.estimate(src, d).transfer_s(nbytes) for d in dsts)
 
     def rank(self, prompt_tokens: int, holdings: Mapping[WorkerId, int],
              workers: Iterable[WorkerId] | None = None,

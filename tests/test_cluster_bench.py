@@ -609,6 +609,10 @@ def test_paired_runs_meet_at_each_workload_and_never_wait_for_one_that_left(tmp_
     assert Barrier(spec).meet("trace", "affinity") < 0.5  # kvmesh stopped: nobody waits for it
     assert Barrier(f"{tmp_path / 'c'}:2", timeout_s=0.3).meet("x", "a") >= 0.3  # bounded even if the peer hangs
     assert Barrier(None).meet("x", "a") == 0.0  # no --barrier: a sequential run never waits
+    same = f"{tmp_path / 'd'}:2"  # one configuration, two settings: each process counts (its run tag)
+    Barrier(same, run="kpa").skip(["y"], "kvmesh")
+    assert Barrier(same, run="kpb").meet("y", "kvmesh") < 0.5
+    assert Barrier(same, timeout_s=0.3, run="kpb").meet("z", "kvmesh") >= 0.3
 
 
 def test_paired_run_passes_its_defaults_unless_given_and_merges_one_document(tmp_path):

@@ -122,6 +122,10 @@ def test_the_new_prefix_tie_is_an_app_argument():
     assert pool_config(AppSettings.from_args({"router_prefix_fill": 1}), tenants).placement().prefix_fill == 1.0
     with pytest.raises(ValueError, match="router_prefix_fill"):
         AppSettings.from_args({"router_prefix_fill": 0})
+    assert pool_config(AppSettings.from_args({}), tenants).placement().remote_ratio == PlacementConfig().remote_ratio
+    assert pool_config(AppSettings.from_args({"router_remote_ratio": 0}), tenants).placement().remote_ratio == 0.0
+    with pytest.raises(ValueError, match="router_remote_ratio"):
+        AppSettings.from_args({"router_remote_ratio": -1})
 
 
 @pytest.mark.parametrize("name", ["ray-up-local.yaml", "ray-up-aws-gpu.yaml"])

@@ -1139,3 +1139,24 @@ def test_a_new_group_stays_off_a_worker_its_prefix_would_fill():
     assert choose([full, v("w1", 0.5, 96, 1)], 34, 1.0).worker in ("w0", "w1")  # nobody has room: as before
     unknown = WorkerView("w0", 0.5, 0, (0, 0, -10.0), 0.0, 0, prefix_blocks=96)  # capacity unknown: fits
     assert choose([unknown, roomy], 34, 1.0).worker == "w0"
+
+
+def _with_copy_out(v: WorkerView, copy_out_s: float) -> WorkerView:
+    return replace(v, candidate=Candidate(v.worker, "recomputed", v.ttft_s, 0.0, v.ttft_s, 0.0, 0, 0,
+                                          copy_out_s=copy_out_s))
+
+
+def test_a_new_group_goes_to_a_worker_whose_copies_out_are_quick_among_near_ties():
+    """The cluster bench (session 28): a chat's first turn landed on the worker behind the
+    100 Mbit/s link, the chat's later sessions pulled its system prompt from there at 2.5-5 s
+    each. Among near ties a worker behind a slow link comes after the others, but it still takes
+    a group when it holds fewer prefixes than they do (spreading groups comes first)."""
+    slow = _with_copy_out(view("w0", 2.53, rank=0), 2.4)  # a little faster now, first by rendezvous
+    fast = [_with_copy_out(view(w, 2.62, rank=i + 1), 0.2) for i, w in enumerate(("w1", "w2", "w3"))]
+    assert choose([slow, *fast], 17, 2.3).worker == "w1"
+    assert choose([slow, *fast], 17, 2.3, PlacementConfig(remote_ratio=0)).worker == "w0"
+    full = [replace(v, shared_blocks=32) for v in fast]
+    assert choose([slow, *full], 17, 2.3).worker == "w0"
+    even = [_with_copy_out(view(w, 2.6, rank=i), 0.2 + 0.05 * i) for i, w in enumerate(("w0", "w1", "w2"))]
+    assert choose(even, 17, 2.3).worker == "w0"  # links alike (within 2x): the usual order
+    assert choose([view("a", 1.0, rank=1), view("b", 1.0, rank=0)], 17, 2.3).worker == "b"  # no estimates

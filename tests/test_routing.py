@@ -495,3 +495,22 @@ def test_a_holder_whose_kv_pool_is_full_loses_to_a_recompute_on_a_worker_with_ro
     # without a published pool size there is no memory term (as before)
     cm.observe_load("A", WorkerLoad(running=4))
     assert cm.rank(544, {"A": 528}, ["A", "B"])[0].worker == "A"
+
+
+def test_copy_out_is_the_median_time_to_send_the_prompt_from_a_worker_to_the_others():
+    """A worker behind a slow link (n4 at 100 Mbit/s, the others at 1 Gbit/s between them) is the
+    slow source of every copy of a prefix placed there; one node alone has nobody to copy to."""
+    cm = model(("w1", "n1"), ("w2", "n2"), ("w3", "n3"), ("w4", "n4"))
+    for a in ("n1", "n2", "n3"):
+        for b in ("n1", "n2", "n3"):
+            if a != b:
+                teach_link(cm, a, b, GBIT)
+        teach_link(cm, "n4", a, 100e6 / 8)
+        teach_link(cm, a, "n4", 100e6 / 8)
+    by = {c.worker: c for c in cm.rank(512, {})}
+    nbytes = 496 * BPT  # the usable blocks: never the prompt's last token
+    assert by["w4"].copy_out_s == pytest.approx(1e-3 + nbytes / (100e6 / 8), rel=0.05)
+    assert by["w1"].copy_out_s == pytest.approx(1e-3 + nbytes / GBIT, rel=0.05)  # median of 1, 1 and 0.1 Gbit/s
+    assert all(c.copy_out_s == by[c.worker].copy_out_s for c in cm.candidates(512, {"w1": 256}))
+    alone = model(("a", "n1"), ("b", "n1"))
+    assert {c.copy_out_s for c in alone.rank(512, {})} == {0.0}
