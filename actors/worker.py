@@ -82,8 +82,9 @@ class Worker:
         # progress; pulls that waited for room; and the outcomes of pulls that did not land whole
         self.pull_stats = dict.fromkeys(PULL_STATS, 0)
         self.room_poll_s = 0.2  # a pull with no room yet asks again this often (``_pull_planned``)
-        # prefixes this worker is pulling now: (domain, the prompt tokens the pull covers, set when it ends)
-        self._pulling: list[tuple[str, tuple[int, ...], asyncio.Event]] = []
+        # prefixes this worker is pulling now: (domain, the prompt tokens up to the pull's end, the
+        # first token it brings (what is before it was held here already), set when it ends)
+        self._pulling: list[tuple[str, tuple[int, ...], int, asyncio.Event]] = []
         self._aborted: OrderedDict[str, None] = OrderedDict()  # aborts of requests not (yet) in the engine
 
     def ready(self) -> dict:
@@ -237,7 +238,8 @@ class Worker:
         # must find this pull and wait for it (the cluster bench, session 20: one 0.35 s behind ran
         # with nothing cached while the first, planned to pull the prefix here, ran with all of it)
         span = max(p.end_block for p in pulls) * self.config.block_size
-        entry = (request.domain, tuple(request.prompt_ids[:span]), asyncio.Event())
+        first = min(p.start_block for p in pulls) * self.config.block_size
+        entry = (request.domain, tuple(request.prompt_ids[:span]), first, asyncio.Event())
         self._pulling.append(entry)
         expected = {"landing": False}  # set on the engine thread: the engine waits for pull_landed
         try:  # import_hold_s 0: pulled KV is evictable as it lands, and a pull with no room is skipped
@@ -245,7 +247,7 @@ class Worker:
                                             queued, [] if outcomes is None else outcomes)
         finally:
             self._pulling.remove(entry)
-            entry[2].set()
+            entry[3].set()
             if expected["landing"]:
                 try:
                     await self.engine.call(lambda e: e.pull_landed(request.request_id))
@@ -387,18 +389,21 @@ class Worker:
         return local, sum(imported)
 
     async def _join_pull(self, request: Request) -> None:
-        """A request sent here without pulls whose prompt shares at least a block with a prefix
-        this worker is pulling for an earlier request waits for that pull to end (the router counts
+        """A request sent here without pulls whose prompt shares at least one of the blocks this
+        worker is pulling for an earlier request waits for that pull to end (the router counts
         a routed prefix as held at once, so a group's next request follows the first): admitted
         now, it would compute those blocks again (the cluster bench, session 17: two requests of
-        one group 0.35 s apart, the second recomputed). Only its own or granted domains' pulls
-        (another tenant's would be a timing side channel); a pull ends by its own deadline."""
+        one group 0.35 s apart, the second recomputed). Sharing only blocks held here before the
+        pull is no reason to wait (the cluster bench, session 28: chat turns sharing a system
+        prompt held here waited 2-5 s for another session's pull of its history). Only its own or
+        granted domains' pulls (another tenant's would be a timing side channel); a pull ends by
+        its own deadline."""
         if not self._pulling or request.reuse == "none":
             return
         domains = {request.domain, *request.read_domains}
         prompt, bs = request.prompt_ids, self.config.block_size
-        waits = [ev for d, toks, ev in self._pulling
-                 if d in domains and len(os.path.commonprefix([tuple(prompt[:len(toks)]), toks])) >= bs]
+        waits = [ev for d, toks, first, ev in self._pulling
+                 if d in domains and len(os.path.commonprefix([tuple(prompt[:len(toks)]), toks])) >= first + bs]
         if not waits:
             return
         self.pull_stats["joined"] += 1

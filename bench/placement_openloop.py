@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 from bench.cluster_report import Point, equal_p99_ratio  # noqa: E402
 from bench.loadgen import percentile  # noqa: E402
 from bench.placement_sim import _Affinity, baseline_route  # noqa: E402
-from bench.workloads import Oracle, Vocab, WorkItem, shared_prefix  # noqa: E402
+from bench.workloads import Oracle, Vocab, WorkItem, multi_turn, shared_prefix  # noqa: E402
 from engine.block_pool import BlockPool, extra_key, hash_blocks, prompt_chains  # noqa: E402
 from policies.placement import Placer, PlacementConfig  # noqa: E402
 from policies.routing import CostConfig, CostModel, WorkerLoad  # noqa: E402
@@ -98,7 +98,7 @@ class Stage:
 def stages(rates: Sequence[float] = (0.4, 0.7, 1.0, 1.3), stage_s: float = 45.0, groups: int = 12, users: int = 5,
            system_len: int = 512, question_len: int = 40, output_len: int = 16, seed: int = 0,
            hot: bool = False, steady: bool = False, warmup_stages: int = 1,
-           order: Sequence[int] | None = None) -> list[Stage]:
+           order: Sequence[int] | None = None, chat: bool = False) -> list[Stage]:
     """One stage per rate, fresh groups each (``hot``: one group, users enough that no prompt
     repeats, as the bench's hot-prefix variant); Poisson arrivals over ``stage_s``. ``steady``:
     the bench's ``--sweep steady``: one set of groups walked through a warm-up stage at the first
@@ -108,7 +108,17 @@ def stages(rates: Sequence[float] = (0.4, 0.7, 1.0, 1.3), stage_s: float = 45.0,
     inference-perf sends them (``bench.ipperf.group_order``); as inference-perf does, every stage
     walks that order from its start (its data generator restarts per stage), so each stage sends the
     same prompts in the same order, and a group that comes early and often in the order is that
-    much hotter in every stage (the default size's first 35 requests hold group 0 nine times)."""
+    much hotter in every stage (the default size's first 35 requests hold group 0 nine times).
+    ``chat``: the bench's multi-turn workload per stage (``bench.workloads.multi_turn``: 3-turn
+    sessions starting at rate / 3 per second, turns 4 s apart, one 256-token system prompt per
+    stage shared by its sessions, 32-token user turns, 16 output tokens)."""
+    if chat:
+        out = []
+        for k, rate in enumerate(rates):
+            items = multi_turn(sessions=max(1, round(rate * stage_s / 3)), turns=3, system_len=256, user_len=32,
+                               output_len=output_len, rate_per_s=rate / 3, think_s=4.0, seed=seed * 7919 + 2000 + k)
+            out.append(Stage(rate, tuple(replace(it, group=f"s{k}{it.session}") for it in items), stage_s))
+        return out
     if steady:
         rates = [rates[0], *rates]
         if order is not None:
@@ -253,7 +263,8 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
     placer = placer_cls(placement) if placement is not None else placer_cls()
     for w in wids:
         placer.shadow(w, cfg.capacity_blocks)
-    knows_running = "running" in inspect.signature(placer.decide).parameters
+    params = inspect.signature(placer.decide).parameters
+    knows_running, knows_queued = "running" in params, "queued" in params
     affinity = _Affinity(wids, rng)
     rr = itertools.cycle(wids)
     events: list = []
@@ -282,6 +293,8 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
         ranking = cm.rank(len(it.prompt_ids), holdings, wids, pend)
         loads = {w: float(sum(workers[w].queued.values())) for w in wids}
         extra = {"running": {w: workers[w].running for w in wids}} if knows_running else {}  # legacy placers do not
+        if knows_queued:
+            extra["queued"] = {w: len(workers[w].queued) for w in wids}
         placed = placer.decide(it.prompt_ids, it.max_tokens, bs, chains, it.domain, holdings, wids, loads, ranking,
                                now, **extra)
         c = placed.candidate
@@ -477,6 +490,7 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "p=1+elsewhere decode=0.5": ({"reuse_prob": 1.0}, 0.5, "new"),
     "measured+elsewhere decode=0.5": ({"reuse_prob": None}, 0.5, "new"),
     "any group spills": ({"spill_group_share": 0.0}, 0.0, "new"),  # the rule before session 9
+    "queued count one": ({"idle_counts_queued": False}, 0.0, "new"),  # the idle rule's busy test before session 28
     "s10": ({}, 0.0, "20ae9bd"),  # main at the end of session 10 (before the balance rules)
     "s11": ({}, 0.0, "e982842"),  # main at the end of session 11 (share of the last 8 requests, balance on)
     "no balance": ({"balance_ratio": 0.0}, 0.0, "new"),
@@ -503,7 +517,7 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
 
 def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _cache: dict = {},
                 steady: bool = False, rates: Sequence[float] | None = None, stage_s: float = 45.0,
-                warmup_stages: int = 1, order: Sequence[int] | None = None) -> list[dict]:
+                warmup_stages: int = 1, order: Sequence[int] | None = None, chat: bool = False) -> list[dict]:
     """``name``: a router, a ``VARIANTS`` key, or either with ``+learn`` (the decode term learned)."""
     base, learn = (name[: -len("+learn")], True) if name.endswith("+learn") else (name, False)
     fields, decode_s, kind = VARIANTS[base] if base in VARIANTS else ({}, 0.0, "new")
@@ -516,7 +530,7 @@ def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _ca
     rows = []
     for seed in seeds:
         run = stages(rates or (0.4, 0.7, 1.0, 1.3), stage_s=stage_s, seed=seed, hot=hot, steady=steady,
-                     warmup_stages=warmup_stages, order=order)
+                     warmup_stages=warmup_stages, order=order, chat=chat)
         res = simulate(run, router, replace(cfg, seed=seed), legacy_cfg(**fields),
                        decode_s, placer_cls, learn_decode=learn)
         rows.append({"seed": seed, **res})
@@ -594,8 +608,9 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default=",".join([*ROUTERS[1:], *VARIANTS]),
                     help=f"comma list of {list(VARIANTS)} and baseline routers {ROUTERS[1:]}")
     ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--workload", choices=("shared", "hot", "closed", "steady"), default="shared",
-                    help="shared: the cluster bench's stages; hot: one group; closed: placement_sim's defaults; "
+    ap.add_argument("--workload", choices=("shared", "hot", "closed", "steady", "chat"), default="shared",
+                    help="shared: the cluster bench's stages; hot: one group; chat: multi-turn sessions sharing a "
+                         "system prompt; closed: placement_sim's defaults; "
                          "steady: the bench's --sweep steady (one set of groups through a warm-up and every rate)")
     ap.add_argument("--rates", default=None, help="offered rates (req/s), comma separated")
     ap.add_argument("--stage-s", type=float, default=45.0,
@@ -636,6 +651,7 @@ def main(argv=None) -> None:
         rates = [float(x) for x in a.rates.split(",")] if a.rates else None
         agg = aggregate(run_variant(name, range(a.seeds), a.workload == "hot", cfg, steady=a.workload == "steady",
                                     rates=rates, stage_s=a.stage_s, warmup_stages=a.warmup_stages,
+                                    chat=a.workload == "chat",
                                     order=json.loads(Path(a.ipperf_order).read_text()) if a.ipperf_order else None))
         res[name] = agg
         pr = agg["per_rate"]

@@ -134,6 +134,10 @@ class AppSettings:
     # last, a group's copies being pulled from where it was placed (PlacementConfig.remote_ratio,
     # default 2; cluster/README, session 28); 0: off
     router_remote_ratio: float | None = None
+    # any field of policies.placement.PlacementConfig by name, e.g. {idle_busy_running: 3}, applied
+    # after the router_* arguments above: for measuring a placement rule's variants (bench/cluster.py
+    # --kvmesh-args); the defaults are the measured ones
+    router_placement: dict | None = None
     # a prefix block reused within this many seconds is evicted after requests' unshared tails
     # (EngineConfig.cache_protect_s, policies/eviction.py); 0: plain LRU
     cache_protect_s: float = 60.0
@@ -171,6 +175,14 @@ class AppSettings:
             raise ValueError("router_prefix_fill must be in (0, 1] (1: off)")
         if self.router_remote_ratio is not None and not self.router_remote_ratio >= 0:
             raise ValueError("router_remote_ratio must be >= 0 (0: off)")
+        if self.router_placement is not None:
+            from policies.placement import PlacementConfig
+
+            if not isinstance(self.router_placement, dict):
+                raise ValueError(f"router_placement must map PlacementConfig fields to values, got {self.router_placement!r}")
+            unknown = set(self.router_placement) - {f.name for f in fields(PlacementConfig)}
+            if unknown:
+                raise ValueError(f"router_placement: unknown PlacementConfig fields {sorted(unknown)}")
         if self.lend_workers not in LEND_MODES:
             raise ValueError(f"lend_workers must be one of {LEND_MODES}, got {self.lend_workers!r}")
         if not isinstance(self.lend_hit_tokens, int) or isinstance(self.lend_hit_tokens, bool) or self.lend_hit_tokens < 0:
@@ -226,7 +238,9 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                       guests_yield=s.guests_yield, calibrate_prefill=s.calibrate_prefill,
                       router_spill_needs_share=s.router_spill_needs_share, router_balance_ratio=s.router_balance_ratio,
                       router_place_tie=s.router_place_tie, router_prefix_fill=s.router_prefix_fill,
-                      router_remote_ratio=s.router_remote_ratio)
+                      router_remote_ratio=s.router_remote_ratio,
+                      router_placement=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)  # YAML lists
+                                                    for k, v in (s.router_placement or {}).items())))
 
 
 def build_app(args: dict) -> Application:

@@ -116,6 +116,8 @@ class PoolConfig:
     router_place_tie: float | None = None
     router_prefix_fill: float | None = None  # PlacementConfig.prefix_fill (None: its default; 1: off)
     router_remote_ratio: float | None = None  # PlacementConfig.remote_ratio (None: its default; 0: off)
+    # any other PlacementConfig fields, (name, value) pairs applied last (AppSettings.router_placement)
+    router_placement: tuple[tuple[str, object], ...] = ()
     probe_interval_s: float = 30.0  # light link probes between workers on different nodes (0: off)
     health_interval_s: float = 2.0  # engine/actor death watch per worker (0: off); its retry delay
     health_timeout_s: float = 10.0  # a slower answer is not a death (unreachable != dead)
@@ -133,6 +135,7 @@ class PoolConfig:
             off["prefix_fill"] = self.router_prefix_fill
         if self.router_remote_ratio is not None:
             off["remote_ratio"] = self.router_remote_ratio
+        off.update(self.router_placement)
         return PlacementConfig(**off)
 
 

@@ -163,6 +163,7 @@ class CostAwareRouter:
                                     request.domain, found, workers, loads, ranking or None, time.monotonic(),
                                     reuse=request.reuse != "none",
                                     running={w.worker_id: w.running for w in candidates},
+                                    queued={w.worker_id: len(w.queued) for w in candidates},
                                     unranked={w: n - ranked[w] for w, n in loads.items() if n > ranked[w]})
         if placed is None:
             choice = await self.fallback.choose(request, candidates)

@@ -82,7 +82,9 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     workers, 0.93 req/s against power-of-two choices' 1.30). A group that brings at least
     ``holders + 0.5`` workers' share of the traffic lately (``Placer.cluster_share`` x workers:
     one of twelve equal groups never does) and whose best holder is busy (``idle_busy_running``
-    sequences decoding, prompts queued counting one) goes to an idle worker (nothing queued, nothing
+    sequences decoding or prompts queued: until session 28 the queued prompts counted one together,
+    and a chat's holder computing its first 288-token prompt at 0.2 core with four more queued
+    behind it, 15 s of work, was not busy) goes to an idle worker (nothing queued, nothing
     decoding) that has room for the copy (no warm block evicted) if that costs this request at
     most ``idle_slack`` x its own prefill more than the holder; the match rule then shares the
     group's requests among its holders. Compute an idle worker spends is lost to nobody.
@@ -185,7 +187,8 @@ class PlacementConfig:
     # there the match rule shares the group's load. Without it a worker behind a slow link (a pull
     # ~2 s) never took part in a hot prefix (0 requests of 78; the cluster bench, session 13). 0: off
     idle_slack: float = 1.0
-    idle_busy_running: int = 2  # a holder is busy with this many sequences decoding (prompts queued count one)
+    idle_busy_running: int = 2  # a holder is busy with this many sequences decoding or prompts queued
+    idle_counts_queued: bool = True  # False: a holder's queued prompts count one together (before session 28)
     # a group has its holders' worth of the traffic when its share of the requests routed lately to
     # the whole cluster (``Placer.cluster_share``) x workers >= holders + a margin. The spill rule
     # needs ``spill_share_margin`` (None: any dominant group spills, the rule before session 17) on
@@ -433,6 +436,13 @@ class WorkerView:
     running: int = 0  # sequences past their first token there (decoding)
     prefix_blocks: int = 0  # of its shared blocks, those of prefixes prompts share (``ShadowCache.prefix_blocks``)
     capacity: int = 0  # its pool in blocks (its shadow cache's); 0: unknown
+    queued: int = 0  # prompts routed there without a first token yet (queued or prefilling); 0: unknown
+
+    @property
+    def busy_with(self) -> int:
+        """Sequences it works on: decoding, and prompts queued or prefilling (without their count,
+        queued tokens count as one prompt)."""
+        return self.running + max(self.queued, int(self.load > 0))
 
     def fits(self, new_blocks: int, fill: float) -> bool:
         """Whether ``new_blocks`` more prefix blocks keep its prefixes within ``fill`` of its pool
@@ -517,7 +527,8 @@ def _idle_target(views: Sequence[WorkerView], best_h: WorkerView, best_h_s: floa
     """The worker a busy holder's dominant group spills to because it is idle (``idle_slack``):
     nothing queued or decoding there, room for the copy without evicting a warm block, and its
     TTFT within ``idle_slack`` x the prompt's prefill of the holder's. The fastest such worker."""
-    if c.idle_slack <= 0 or best_h.running + (best_h.load > 0) < c.idle_busy_running:
+    busy = best_h.busy_with if c.idle_counts_queued else best_h.running + int(best_h.load > 0)
+    if c.idle_slack <= 0 or busy < c.idle_busy_running:
         return None
     limit = best_h_s + c.idle_slack * prompt_prefill_s
     idle = [v for v in views if v.load <= 0 and v.running == 0 and v.eviction[0] == 0
@@ -632,7 +643,7 @@ def decision_record(kind: str, worker: WorkerId, key: bytes, prompt_tokens: int,
             "prompt_tokens": prompt_tokens, "usable_blocks": usable_blocks, "prefill_s": round(prefill_s, 4),
             "candidates": {v.worker: {"ttft_s": round(v.ttft_s, 4), "local": v.local_blocks, "evict": v.eviction[0],
                                       "prefix": v.prefix_blocks, "capacity": v.capacity, "load": v.load,
-                                      "running": v.running, "wait_avg_s": round(v.wait_avg_s, 4),
+                                      "running": v.running, "queued": v.queued, "wait_avg_s": round(v.wait_avg_s, 4),
                                       "share": round(v.group_share, 3)} for v in views}}
 
 
@@ -707,13 +718,15 @@ class Placer:
                chains: Mapping[str, Sequence[bytes]], own_domain: str, holdings: Mapping[WorkerId, int] | None,
                workers: Sequence[WorkerId], loads: Mapping[WorkerId, float], ranking: Sequence[Candidate] | None,
                now: float, reuse: bool = True, running: Mapping[WorkerId, int] | None = None,
-               unranked: Mapping[WorkerId, float] | None = None) -> Placement | None:
+               unranked: Mapping[WorkerId, float] | None = None,
+               queued: Mapping[WorkerId, int] | None = None) -> Placement | None:
         """Step 2: the placement of one request, and (``reuse``) its record in the chosen
         worker's shadow cache. ``holdings``: the index's prompt tokens per worker; ``chains``:
         the prompt's block hashes per readable domain (own domain ``own_domain``); ``loads``:
         per worker, queued prompt tokens to compute; ``ranking``: the cost model's best
         candidate per worker (None: decide from the loads alone); ``running``: per worker, sequences
-        decoding (None: unknown, read as 0); ``unranked``: per worker, prompt tokens queued there
+        decoding (None: unknown, read as 0); ``queued``: per worker, prompts without a first token
+        yet (None: unknown, its queued tokens counting one); ``unranked``: per worker, prompt tokens queued there
         since the ranking's loads were taken (requests routed while it was computed: a burst of
         prompts ranked at once all see the same idle worker), added to its TTFT at its own prefill
         rate for this prompt. None when no worker fits."""
@@ -729,7 +742,8 @@ class Placer:
         proxy = {w: PROXY_TOKEN_S * (loads.get(w, 0.0) + prompt - local[w] * block_size) for w in workers}
         key = leading_key(own, prompt_ids, self.config.key_blocks)
         groups = {key} | {leading_key(chain, prompt_ids, self.config.key_blocks) for chain in chains.values()}
-        views = self.views(ranking or None, workers, local, total, loads, key, now, proxy, block_size, groups, running)
+        views = self.views(ranking or None, workers, local, total, loads, key, now, proxy, block_size, groups, running,
+                           queued)
         if not views:
             return None
         if unranked:
@@ -768,7 +782,8 @@ class Placer:
               local_blocks: Mapping[WorkerId, int], new_blocks: int, loads: Mapping[WorkerId, float],
               key: bytes, now: float, fallback_ttft: Mapping[WorkerId, float] | None = None,
               block_size: int | None = None, groups: frozenset[bytes] | set[bytes] = frozenset(),
-              running: Mapping[WorkerId, int] | None = None) -> list[WorkerView]:
+              running: Mapping[WorkerId, int] | None = None,
+              queued: Mapping[WorkerId, int] | None = None) -> list[WorkerView]:
         """One ``WorkerView`` per worker from the cost model's ``ranking`` (best candidate per
         worker), or, without one, from ``fallback_ttft``/the loads."""
         order = rendezvous_order(key, workers)
@@ -787,7 +802,8 @@ class Placer:
             wait = self.observe_wait(w, cand.wait_s, now) if cand is not None else 0.0
             out.append(WorkerView(w, ttft, have, cost, loads.get(w, 0.0), order[w], cand, reused,
                                   self.group_share(w, groups or {key}, now), wait, shadow.shared,
-                                  (running or {}).get(w, 0), shadow.prefix_blocks(now), shadow.capacity))
+                                  (running or {}).get(w, 0), shadow.prefix_blocks(now), shadow.capacity,
+                                  (queued or {}).get(w, 0)))
         return out
 
     def count_routed(self, worker: WorkerId, key: bytes, now: float) -> None:

@@ -174,6 +174,19 @@ async def test_a_pull_is_joinable_while_its_plan_waits_for_a_busy_engine():
     assert await pulling == (0, 0)  # no room: skipped, nothing imported
     await asyncio.wait_for(joiner, 5)  # ... and the joiner goes ahead once the pull has ended
     assert w._pulling == []
+    # a pull of blocks 2-4 (blocks 0-1 held here already): a prompt that shares only blocks 0-1
+    # goes ahead, one that shares block 2 waits (chat turns sharing a system prompt, session 28)
+    engine_busy.clear()
+    deeper = asyncio.create_task(w._pull(Request("d", PREFIX + (5,), GREEDY, tenant="t1"), (Pull(None, "n", 2, 4),)))
+    await asyncio.sleep(0.05)
+    bs = CFG.block_size
+    sharing_held = asyncio.create_task(w._join_pull(Request("e", PREFIX[:2 * bs] + (7,) * 40, GREEDY, tenant="t1")))
+    sharing_pulled = asyncio.create_task(w._join_pull(Request("f", PREFIX[:3 * bs] + (7,) * 40, GREEDY, tenant="t1")))
+    await asyncio.sleep(0.05)
+    assert sharing_held.done() and not sharing_pulled.done() and w.pull_stats["joined"] == 2
+    engine_busy.set()
+    assert await deeper == (0, 0)
+    await asyncio.wait_for(sharing_pulled, 5)
 
 
 @pytest.mark.ray

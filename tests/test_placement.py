@@ -484,6 +484,13 @@ def test_a_hot_group_takes_an_idle_worker_even_behind_a_slow_link():
     # a holder with one sequence decoding is not busy; a queued prompt counts as one more
     assert choose([replace(busy, running=1), slow], 39, 3.3, cluster_share=1.0).kind == "match"
     assert choose([replace(busy, running=1, load=48.0), slow], 39, 3.3, cluster_share=1.0).kind == "idle"
+    # prompts queued count one each where their number is known: a holder computing its first
+    # prompt with more queued behind it is busy before anything decodes (a chat's first turns)
+    assert choose([replace(busy, running=0, load=900.0), slow], 39, 3.3, cluster_share=1.0).kind == "match"
+    assert choose([replace(busy, running=0, load=900.0, queued=3), slow], 39, 3.3, cluster_share=1.0).kind == "idle"
+    assert choose([replace(busy, running=0, load=300.0, queued=1), slow], 39, 3.3, cluster_share=1.0).kind == "match"
+    before = PlacementConfig(idle_counts_queued=False)  # the rule before session 28: queued prompts count one
+    assert choose([replace(busy, running=0, load=900.0, queued=3), slow], 39, 3.3, before, cluster_share=1.0).kind == "match"
     # the worker must be idle, have room without evicting warm blocks, and cost <= one prefill more
     for other in (replace(slow, running=1), replace(slow, load=40.0), replace(slow, eviction=(3, 1, -5.0)),
                   replace(slow, ttft_s=1.2 + 3.3 + 0.1)):

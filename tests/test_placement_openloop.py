@@ -104,3 +104,22 @@ def test_kvmesh_keeps_the_hit_ratio_and_bad_arguments_are_refused():
         simulate(run, "nope", OpenConfig())
     with pytest.raises(ValueError, match="blocks"):
         simulate(run, "kvmesh", replace(OpenConfig(), capacity_blocks=16))
+
+
+def test_chat_stages_are_sessions_whose_turns_extend_one_conversation():
+    """--workload chat: per stage, 3-turn sessions sharing the stage's system prompt; each turn's
+    prompt extends the session's previous one, and every router serves all of them."""
+    run = stages((0.3, 0.6), stage_s=20.0, seed=2, chat=True)
+    for st in run:
+        by_session: dict[str, list] = {}
+        for it in st.items:
+            by_session.setdefault(it.group, []).append(it)
+        assert len(by_session) == max(1, round(st.rate * 20.0 / 3)) and all(len(v) == 3 for v in by_session.values())
+        for turns in by_session.values():
+            assert all(b.prompt_ids[:len(a.prompt_ids)] == a.prompt_ids and b.at_s > a.at_s
+                       for a, b in zip(turns, turns[1:]))
+        assert len({it.prompt_ids[:256] for it in st.items}) == 1  # one system prompt per stage
+    assert run[0].items[0].prompt_ids[:256] != run[1].items[0].prompt_ids[:256]
+    for router in ("kvmesh", "pow2"):
+        res = simulate(run, router, OpenConfig())
+        assert [f["requests"] for f in res["stages"]] == [len(st.items) for st in run]
