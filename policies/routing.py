@@ -647,11 +647,12 @@ class CostModel:
         pending, shared = pending or {}, shared or {}
         out: list[Candidate] = []
         copy_bytes = self.usable_tokens(prompt_tokens, prompt_tokens) * self.config.bytes_per_token
+        target_nodes = sorted({self.nodes.get(x, x) for x in targets})
         for w in targets:
             own = max(held_blocks.get(w, 0), self.usable_tokens(prompt_tokens, pending.get(w, 0)) // bs) * bs
             wait, dec, kv = self._wait_parts(w, kv_blocks(prompt_tokens + 1, bs) * bs - shared.get(w, 0))
             pre = self.prefill_s(w, prompt_tokens - own, own)
-            copy_out = self.copy_out_s(w, targets, copy_bytes)
+            copy_out = self.copy_out_s(w, target_nodes, copy_bytes)
             out.append(Candidate(w, "local" if own else "recomputed", wait + pre, wait, pre, 0.0, own, 0,
                                  decode_wait_s=dec, kv_wait_s=kv, copy_out_s=copy_out))
             for level in levels:
@@ -668,14 +669,14 @@ class CostModel:
                                      cached - own, ranges, dec, kv, copy_out_s=copy_out))
         return out
 
-    def copy_out_s(self, worker: WorkerId, workers: Sequence[WorkerId], nbytes: int) -> float:
-        """The median over the other nodes among ``workers`` of the estimated time to send
+    def copy_out_s(self, worker: WorkerId, nodes: Sequence[NodeId], nbytes: int) -> float:
+        """The median over ``nodes`` other than ``worker``'s of the estimated time to send
         ``nbytes`` from ``worker``'s node there (0: no other node). Where a prefix is placed is
         where its copies are pulled from once its group outgrows one worker: from a node behind a
-        slow link each copy takes seconds. At most ``COPY_OUT_NODES`` destinations are asked (a
-        fixed sample: the ranking stays linear in the workers on a large cluster)."""
+        slow link each copy takes seconds. At most ``COPY_OUT_NODES`` destinations are asked (the
+        first in ``nodes``' order: the ranking stays linear in the workers on a large cluster)."""
         src = self.nodes.get(worker, worker)
-        dsts = sorted({self.nodes.get(x, x) for x in workers} - {src})[:COPY_OUT_NODES]
+        dsts = [n for n in nodes if n != src][:COPY_OUT_NODES]
         if not dsts or nbytes <= 0:
             return 0.0
         return statistics.median(self.links.estimate(src, d).transfer_s(nbytes) for d in dsts)
