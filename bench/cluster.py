@@ -292,8 +292,9 @@ async def drive(base_url: str, items: list[workloads.WorkItem], extras: list[dic
 def other_workloads(args, tok) -> dict[str, tuple[list[workloads.WorkItem], list[dict | None]]]:
     """multi_turn, multi_tenant (+ the template tenant) and the Mooncake trace, as work items."""
     q = args.quick
-    mt = workloads.multi_turn(sessions=args.multi_turn_sessions or (4 if q else 6), turns=3, system_len=256, user_len=32, output_len=16,
-                              rate_per_s=0.5, think_s=4.0, seed=1, tenant=setup.BENCH_TENANT)
+    mt = workloads.multi_turn(sessions=args.multi_turn_sessions or (4 if q else 6), turns=3, system_len=256,
+                              user_len=32, output_len=16, rate_per_s=0.5, think_s=4.0, seed=1,
+                              tenant=setup.BENCH_TENANT)
     mix = workloads.multi_tenant(requests=24 if q else 32, rate_per_s=args.other_rate, output_len=16, seed=2)
     titems, textras = template_items(8 if q else 12, args.other_rate / 3, 3, tok)
     merged = sorted([(w, None) for w in mix] + list(zip(titems, textras)), key=lambda p: p[0].at_s)

@@ -129,11 +129,6 @@ class AppSettings:
     # more than this share of their KV pool while a worker with room is within a few prefills
     # (PlacementConfig.prefix_fill, default 0.9); 1: off (cluster/README, session 24)
     router_prefix_fill: float | None = None
-    # near ties for a new prefix group go to a worker whose copies out are quick: one whose link makes
-    # a copy of the prompt's prefix take more than this x the quickest worker's (+ 0.05 s) is taken
-    # last, a group's copies being pulled from where it was placed (PlacementConfig.remote_ratio,
-    # default 2; cluster/README, session 28); 0: off
-    router_remote_ratio: float | None = None
     # any field of policies.placement.PlacementConfig by name, e.g. {idle_busy_running: 3}, applied
     # after the router_* arguments above: for measuring a placement rule's variants (bench/cluster.py
     # --kvmesh-args); the defaults are the measured ones
@@ -173,8 +168,6 @@ class AppSettings:
             raise ValueError("import_hold_s must be >= 0 (0: pulled KV is not held)")
         if self.router_prefix_fill is not None and not 0 < self.router_prefix_fill <= 1:
             raise ValueError("router_prefix_fill must be in (0, 1] (1: off)")
-        if self.router_remote_ratio is not None and not self.router_remote_ratio >= 0:
-            raise ValueError("router_remote_ratio must be >= 0 (0: off)")
         if self.router_placement is not None:
             from policies.placement import PlacementConfig
 
@@ -238,7 +231,6 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                       guests_yield=s.guests_yield, calibrate_prefill=s.calibrate_prefill,
                       router_spill_needs_share=s.router_spill_needs_share, router_balance_ratio=s.router_balance_ratio,
                       router_place_tie=s.router_place_tie, router_prefix_fill=s.router_prefix_fill,
-                      router_remote_ratio=s.router_remote_ratio,
                       router_placement=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)  # YAML lists
                                                     for k, v in (s.router_placement or {}).items())))
 

@@ -115,7 +115,6 @@ class PoolConfig:
     # are ties decided by headroom (prefixes held); None: the policy's default
     router_place_tie: float | None = None
     router_prefix_fill: float | None = None  # PlacementConfig.prefix_fill (None: its default; 1: off)
-    router_remote_ratio: float | None = None  # PlacementConfig.remote_ratio (None: its default; 0: off)
     # any other PlacementConfig fields, (name, value) pairs applied last (AppSettings.router_placement)
     router_placement: tuple[tuple[str, object], ...] = ()
     probe_interval_s: float = 30.0  # light link probes between workers on different nodes (0: off)
@@ -133,8 +132,6 @@ class PoolConfig:
             off["place_tie"] = self.router_place_tie
         if self.router_prefix_fill is not None:
             off["prefix_fill"] = self.router_prefix_fill
-        if self.router_remote_ratio is not None:
-            off["remote_ratio"] = self.router_remote_ratio
         off.update(self.router_placement)
         return PlacementConfig(**off)
 

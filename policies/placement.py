@@ -438,12 +438,6 @@ class WorkerView:
     capacity: int = 0  # its pool in blocks (its shadow cache's); 0: unknown
     queued: int = 0  # prompts routed there without a first token yet (queued or prefilling); 0: unknown
 
-    @property
-    def busy_with(self) -> int:
-        """Sequences it works on: decoding, and prompts queued or prefilling (without their count,
-        queued tokens count as one prompt)."""
-        return self.running + max(self.queued, int(self.load > 0))
-
     def fits(self, new_blocks: int, fill: float) -> bool:
         """Whether ``new_blocks`` more prefix blocks keep its prefixes within ``fill`` of its pool
         (``PlacementConfig.prefix_fill``); True when the pool's size is unknown or ``fill`` >= 1."""
@@ -527,7 +521,8 @@ def _idle_target(views: Sequence[WorkerView], best_h: WorkerView, best_h_s: floa
     """The worker a busy holder's dominant group spills to because it is idle (``idle_slack``):
     nothing queued or decoding there, room for the copy without evicting a warm block, and its
     TTFT within ``idle_slack`` x the prompt's prefill of the holder's. The fastest such worker."""
-    busy = best_h.busy_with if c.idle_counts_queued else best_h.running + int(best_h.load > 0)
+    # decoding sequences, and the prompts queued or prefilling (their number unknown: one if any)
+    busy = best_h.running + max(best_h.queued if c.idle_counts_queued else 0, int(best_h.load > 0))
     if c.idle_slack <= 0 or busy < c.idle_busy_running:
         return None
     limit = best_h_s + c.idle_slack * prompt_prefill_s

@@ -123,12 +123,10 @@ def test_the_new_prefix_tie_is_an_app_argument():
     with pytest.raises(ValueError, match="router_prefix_fill"):
         AppSettings.from_args({"router_prefix_fill": 0})
     assert pool_config(AppSettings.from_args({}), tenants).placement().remote_ratio == PlacementConfig().remote_ratio
-    assert pool_config(AppSettings.from_args({"router_remote_ratio": 0}), tenants).placement().remote_ratio == 0.0
-    with pytest.raises(ValueError, match="router_remote_ratio"):
-        AppSettings.from_args({"router_remote_ratio": -1})
-    placed = pool_config(AppSettings.from_args({"router_placement": {"idle_counts_queued": False, "reuse_prior": [8, 8]},
-                                                "router_remote_ratio": 3}), tenants).placement()
-    assert (placed.idle_counts_queued, placed.reuse_prior, placed.remote_ratio) == (False, (8, 8), 3.0)
+    placed = pool_config(AppSettings.from_args({"router_placement": {"idle_counts_queued": False, "reuse_prior": [8, 8],
+                                                                     "remote_ratio": 0}, "router_place_tie": 1}),
+                         tenants).placement()
+    assert (placed.idle_counts_queued, placed.reuse_prior, placed.remote_ratio, placed.place_tie) == (False, (8, 8), 0, 1.0)
     for bad in ({"no_such_rule": 1}, [1, 2]):
         with pytest.raises(ValueError, match="router_placement"):
             AppSettings.from_args({"router_placement": bad})
