@@ -1,6 +1,6 @@
 """The whole cluster against what users would deploy instead (issue 11): one run, same workers.
 
-    sudo nice -n 5 .venv/bin/python bench/cluster.py            # default size, ~20 min on 2 cores
+    sudo nice -n 5 .venv/bin/python bench/cluster.py            # default size, ~30 min on 2 cores
     sudo nice -n 5 .venv/bin/python bench/cluster.py --quick    # smoke run, ~5 min
 
 1. Hosts: ``bench.sshhosts`` makes one SSH host per Ray node (network namespace + own PID/mount
@@ -30,7 +30,10 @@ shared-prefix workload's distinct prefixes need ``--pool-ratio`` (3) x one worke
 Writes ``bench/results/cluster.json`` (``summary``: ``hit_tokens_vs_oracle``,
 ``throughput_at_equal_p99_ttft``, ``ttft_p90_affinity_over_kvmesh``; per configuration and rate:
 TTFT p50/p90/p99, TPOT, request and token throughput, goodput at ``--ttft-slo``, hit tokens vs
-the oracle, kvmesh's route decisions and bytes pulled) and ``bench/results/cluster.png``.
+the oracle, kvmesh's route decisions and bytes pulled, each request's TTFT) and
+``bench/results/cluster.png``. ``summary.bootstrap``: each ratio's 90% interval over resamples
+of the run's requests and the share of them that meets the target (``cluster_report.bootstrap``).
+``--resummarize JSON [--run-dir DIR]`` recomputes a written run's summary with the current code.
 Needs root (namespaces, tc, sshd); installs openssh-server and inference-perf's venv once.
 """
 
@@ -61,7 +64,7 @@ from bench import cluster_report as report  # noqa: E402
 from bench import cluster_setup as setup  # noqa: E402
 from bench import cpuquota, ipperf, rayup, workloads  # noqa: E402
 from bench import steps as steptrace  # noqa: E402
-from bench.loadgen import Result, send_one, summarize  # noqa: E402
+from bench.loadgen import Result, percentile, send_one, summarize  # noqa: E402
 from bench.netlab import LinkSpec, leftovers  # noqa: E402
 from bench.sshhosts import leftover_pids, ssh_hosts  # noqa: E402
 
@@ -410,6 +413,11 @@ def parse_args(argv=None):
                     help="paired runs (bench/cluster_paired.py): wait before each measured workload until N "
                          "processes sharing DIR reach it, so that their loads run at the same time")
     ap.add_argument("--out", default=str(RESULTS / "cluster.json"))
+    ap.add_argument("--resummarize", default=None, metavar="JSON",
+                    help="run nothing: recompute this written run's summary with the current code (in place)")
+    ap.add_argument("--run-dir", default=None, metavar="DIR",
+                    help="with --resummarize: the run's cluster_run directory, to fill in the stages' TTFT "
+                         "samples of a run written before they were kept")
     a = ap.parse_args(argv)
     rates = a.rates if a.rates is not None else ("0.5,1.5" if a.quick else "0.5,1.0,2.0")
     a.rates = [float(x) for x in rates.split(",") if x]  # '': no shared-prefix sweep (the other workloads only)
@@ -482,6 +490,8 @@ def _interrupt(signum, frame):  # SIGTERM/SIGINT (also when started in the backg
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.resummarize:
+        return resummarize(Path(args.resummarize), Path(args.run_dir) if args.run_dir else None)
     if os.geteuid() != 0:
         raise SystemExit("bench/cluster.py needs root (network namespaces, tc, sshd)")
     signal.signal(signal.SIGTERM, _interrupt)
@@ -770,8 +780,15 @@ def stage_figures(results: list[Result], oracle: list[int], rate: float, load_su
     completion), the rate inference-perf really offered, hit tokens against ``oracle``."""
     s = summarize(results, args.ttft_slo, wall_s=wall_s or None)
     s.update(rate=rate, offered_rate=load_summary.get("achieved_rate"), hit=hit_ratio(results, oracle),
-             load_avg=load_avg(), errors_sample=[r.error for r in results if r.error][:3], **extra)
+             load_avg=load_avg(), errors_sample=[r.error for r in results if r.error][:3],
+             ttft_samples_s=ttft_samples(results), **extra)
     return s
+
+
+def ttft_samples(results: list[Result]) -> list[float | None]:
+    """Each request's TTFT in send order (None: it failed or got no first token), for
+    ``cluster_report.bootstrap``."""
+    return [round(r.ttft_s, 4) if r.ok and r.ttft_s is not None else None for r in results]
 
 
 def log_stage(log, name: str, s: dict, tail: str = "") -> None:
@@ -902,7 +919,8 @@ def curves(doc: dict, key: str = "shared_prefix") -> dict[str, list[report.Point
     out = {}
     for name, res in doc["configs"].items():
         pts = [report.Point(s["rate"], s["request_throughput"] or 0.0, s["ttft_s"]["p50"] or 0.0,
-                            s["ttft_s"]["p90"] or 0.0, s["ttft_s"]["p99"] or 0.0, s["errors"], s.get("offered_rate"))
+                            s["ttft_s"]["p90"] or 0.0, s["ttft_s"]["p99"] or 0.0, s["errors"], s.get("offered_rate"),
+                            tuple(s.get("ttft_samples_s") or ()))
                for s in res.get(key, []) if s.get("ok")]
         if pts:
             out[name] = pts
@@ -970,6 +988,31 @@ def finish(doc: dict, out_json: Path) -> None:
     print_table(doc)
 
 
+def resummarize(path: Path, run_dir: Path | None = None) -> dict:
+    """Recompute the written run at ``path`` with the current ``cluster_report`` (JSON and PNG in
+    place). With ``run_dir`` (the run's ``cluster_run`` directory, or a paired run's), first fill in the TTFT samples
+    that stages written before they were kept lack, from inference-perf's reports there; a stage
+    whose reports do not give its recorded request count and p99 stops it."""
+    doc = json.loads(path.read_text())
+    for name, res in doc["configs"].items() if run_dir is not None else ():
+        for key, kind in (("shared_prefix", "shared"), ("hot_prefix", "hot")):
+            stages = res.get(key) or []
+            sub = f"{name.replace('+', '-')}-{kind}-steady/reports"
+            # a paired run (bench/cluster_paired.py) keeps each configuration's under <name>/cluster_run
+            reports = next((d for d in (run_dir / sub, run_dir / name / "cluster_run" / sub) if d.is_dir()), None)
+            if not stages or all("ttft_samples_s" in st for st in stages) or reports is None:
+                continue
+            per_stage, _ = ipperf.results(reports, len(stages) + 1)  # the warm-up stage first
+            for st, results in zip(stages, per_stage[1:]):
+                samples = ttft_samples(results)
+                p99 = percentile([x for x in samples if x is not None], 99)
+                if len(results) != st["requests"] or p99 is None or abs(p99 - st["ttft_s"]["p99"]) > 1e-3:
+                    raise SystemExit(f"{reports}: the stage at {st['rate']:g} req/s does not match {path}")
+                st["ttft_samples_s"] = samples
+    finish(doc, path)
+    return doc
+
+
 def write(doc: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1, default=str))
@@ -998,6 +1041,11 @@ def print_table(doc: dict) -> None:
     print("summary:", json.dumps(doc.get("summary", {}).get("throughput_at_equal_p99_ttft")),
           "hit vs oracle:", json.dumps(doc.get("summary", {}).get("hit_tokens_vs_oracle")),
           "p90 affinity/kvmesh:", doc.get("summary", {}).get("ttft_p90_affinity_over_kvmesh"))
+    for key, b in (doc.get("summary", {}).get("bootstrap") or {}).items():
+        if isinstance(b, dict):
+            print(f"{key}: 90% of {doc['summary']['bootstrap']['replicates']} resamples of the requests within "
+                  f"{_f(b['p05'])}-{_f(b['p95'])} (median {_f(b['p50'])}), target met in {b['met_share']:.0%}"
+                  + (f", a lower bound in {b['lower_bound_share']:.0%}" if b["lower_bound_share"] else ""))
     if doc.get("summary", {}).get("host_speed_decode_1row_s"):
         print("hosts' speed (one-row decode step, s):", json.dumps(doc["summary"]["host_speed_decode_1row_s"]),
               "throughput ratios adjusted to equal speed (an estimate):",

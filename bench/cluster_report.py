@@ -12,14 +12,27 @@ rate sweep: ``Point``s in the order the rates were offered.
   much more load ``a`` carries at the latency the baseline has when it is fully loaded.
 * ``highest_common_rate``: the highest offered rate every configuration sustains (request
   throughput >= ``SUSTAIN`` x the rate really offered, no errors); TTFT p90 ratios are taken there.
+* ``bootstrap``: how far one run's ratios move with its requests alone. A stage of 60 requests
+  has its p99 set by its slowest one or two, and the ratio at equal p99 is read at the baseline's
+  saturated p99, so one request can swing a run's ratio from 0.6 to 1.3 (sessions 24-28's default
+  runs: 0.60-1.48 with the same settings). Each replicate resamples every stage's requests with
+  replacement and recomputes the ratios as ``summary`` does; the interval and the share of
+  replicates that meet a target say whether the run can tell a ratio from its target at all.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from bench.loadgen import percentile
 
 SUSTAIN = 0.85  # a rate is sustained when >= 85% of it comes out as completed requests per second
+REPLICATES = 1000  # bootstrap resamples of a run's requests
+TARGETS = {"hit_tokens_vs_oracle": 0.95, "kvmesh_vs_affinity": 1.3, "kvmesh_vs_pow2": 2.0,
+           "ttft_p90_affinity_over_kvmesh": 3.0}
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,8 @@ class Point:
     ttft_p99: float
     errors: int = 0
     offered: float | None = None  # the rate the load generator really sent at (None: ``rate``)
+    # TTFT of each request of the stage in send order (None: no first token), for ``bootstrap``
+    samples: tuple[float | None, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def sustained(self) -> bool:
@@ -96,23 +111,85 @@ def at_rate(curve: list[Point], rate: float) -> Point | None:
     return next((p for p in curve if p.rate == rate), None)
 
 
+def issue_ratios(curves: dict[str, list[Point]]) -> dict:
+    """The issue's ratios over ``curves``: throughput at equal p99 TTFT against affinity and pow2
+    (``equal_p99_ratio``'s detail each) and the TTFT p90 ratios at the highest common rate."""
+    out: dict = {"equal_p99": {f"kvmesh_vs_{base}": equal_p99_ratio(curves["kvmesh"], curves[base])
+                               for base in ("affinity", "pow2") if "kvmesh" in curves and base in curves}}
+    rate, common = highest_common_rate({c: v for c, v in curves.items() if c in ("pow2", "affinity", "kvmesh")})
+    out["ttft_p90_rate"] = {"rate": rate, "all_sustained": common}
+    at = {c: at_rate(curves.get(c, []), rate) if rate is not None else None for c in ("kvmesh", "affinity", "pow2")}
+    k = at["kvmesh"]
+    for base in ("affinity", "pow2"):
+        b = at[base]
+        out[f"ttft_p90_{base}_over_kvmesh"] = b.ttft_p90 / k.ttft_p90 if k and b and k.ttft_p90 else None
+    return out
+
+
+def resampled(p: Point, picks: Sequence[int]) -> Point:
+    """``p`` with its TTFT percentiles over the requests at ``picks`` (indices into ``p.samples``,
+    repeats allowed): one bootstrap replicate of the stage. Its throughput stays as measured: the
+    offered load was the same for every configuration (seeded arrivals) and what moves a ratio
+    is the tail."""
+    xs = [x for x in (p.samples[i] for i in picks) if x is not None]
+    if not xs:
+        return p
+    return replace(p, ttft_p50=percentile(xs, 50), ttft_p90=percentile(xs, 90), ttft_p99=percentile(xs, 99))
+
+
+def bootstrap(curves: dict[str, list[Point]], replicates: int = REPLICATES, seed: int = 0) -> dict:
+    """Per ratio of ``issue_ratios`` (and its target in ``TARGETS``): the 5th, 50th and 95th percentile
+    over ``replicates`` resamples of the run's requests, the share of replicates at or above the
+    target, the share that are lower bounds (kvmesh's resampled curve never reached the
+    baseline's p99) and the share without a value. A stage is resampled with the same request
+    indices for every configuration where their stages sent as many requests (with seeded
+    arrivals, the same prompts at the same times), otherwise each on its own. Empty when a curve
+    has a stage without samples (a run written before they were kept)."""
+    if not curves or any(not p.samples for c in curves.values() for p in c):
+        return {}
+    rng = random.Random(seed)
+    rates = sorted({p.rate for c in curves.values() for p in c})
+    vals: dict[str, list[float]] = {k: [] for k in TARGETS if k != "hit_tokens_vs_oracle"}
+    lower = dict.fromkeys(vals, 0)
+    for _ in range(replicates):
+        picks = {}
+        for r in rates:
+            sizes = {len(p.samples) for c in curves.values() for p in c if p.rate == r}
+            if len(sizes) == 1:
+                n = sizes.pop()
+                picks[r] = [rng.randrange(n) for _ in range(n)]
+        rc = {name: [resampled(p, picks.get(p.rate) or [rng.randrange(len(p.samples)) for _ in p.samples])
+                     for p in c] for name, c in curves.items()}
+        rs = issue_ratios(rc)
+        for key in vals:
+            eq = rs["equal_p99"].get(key)
+            v = eq["ratio"] if eq is not None else rs.get(key)
+            if v is not None:
+                vals[key].append(v)
+            lower[key] += bool(eq and eq.get("lower_bound"))
+    out: dict = {"replicates": replicates, "paired_stages": sum(1 for r in rates if r in picks)}
+    for key, xs in vals.items():
+        if not xs:
+            continue
+        out[key] = {"p05": percentile(xs, 5), "p50": percentile(xs, 50), "p95": percentile(xs, 95),
+                    "met_share": sum(x >= TARGETS[key] for x in xs) / replicates,
+                    "lower_bound_share": lower[key] / replicates, "none_share": 1 - len(xs) / replicates}
+    return out
+
+
 def summary(curves: dict[str, list[Point]], hits: dict[str, float], oracle_hits: float) -> dict:
     """The ``summary`` block of ``cluster.json`` for the shared-prefix workload."""
     out: dict = {"hit_tokens_vs_oracle": {c: (h / oracle_hits if oracle_hits else None) for c, h in hits.items()}}
     out["hit_tokens_vs_oracle"]["oracle"] = 1.0
-    eq = {}
-    for base in ("affinity", "pow2"):
-        if "kvmesh" in curves and base in curves:
-            eq[f"kvmesh_vs_{base}"] = equal_p99_ratio(curves["kvmesh"], curves[base])
-    out["throughput_at_equal_p99_ttft"] = {k: v["ratio"] for k, v in eq.items()}
-    out["throughput_at_equal_p99_ttft_detail"] = eq
-    rate, common = highest_common_rate({c: v for c, v in curves.items() if c in ("pow2", "affinity", "kvmesh")})
-    out["ttft_p90_rate"] = {"rate": rate, "all_sustained": common}
-    ka = at_rate(curves.get("kvmesh", []), rate) if rate is not None else None
-    aa = at_rate(curves.get("affinity", []), rate) if rate is not None else None
-    pa = at_rate(curves.get("pow2", []), rate) if rate is not None else None
-    out["ttft_p90_affinity_over_kvmesh"] = aa.ttft_p90 / ka.ttft_p90 if ka and aa and ka.ttft_p90 else None
-    out["ttft_p90_pow2_over_kvmesh"] = pa.ttft_p90 / ka.ttft_p90 if ka and pa and ka.ttft_p90 else None
+    rs = issue_ratios(curves)
+    out["throughput_at_equal_p99_ttft"] = {k: v["ratio"] for k, v in rs["equal_p99"].items()}
+    out["throughput_at_equal_p99_ttft_detail"] = rs["equal_p99"]
+    out["ttft_p90_rate"] = rs["ttft_p90_rate"]
+    out["ttft_p90_affinity_over_kvmesh"] = rs["ttft_p90_affinity_over_kvmesh"]
+    out["ttft_p90_pow2_over_kvmesh"] = rs["ttft_p90_pow2_over_kvmesh"]
+    boot = bootstrap(curves)
+    if boot:
+        out["bootstrap"] = boot
     return out
 
 
@@ -137,17 +214,17 @@ def speed_adjusted(ratios: dict[str, float | None], speed: dict[str, float | Non
     return out
 
 
-TARGETS = {"hit_tokens_vs_oracle": 0.95, "kvmesh_vs_affinity": 1.3, "kvmesh_vs_pow2": 2.0,
-           "ttft_p90_affinity_over_kvmesh": 3.0}
-
-
 def targets(s: dict) -> dict:
     """Each target of issue 11 with its measured value and whether it is met."""
     vals = {"hit_tokens_vs_oracle": s["hit_tokens_vs_oracle"].get("kvmesh"),
             "kvmesh_vs_affinity": s["throughput_at_equal_p99_ttft"].get("kvmesh_vs_affinity"),
             "kvmesh_vs_pow2": s["throughput_at_equal_p99_ttft"].get("kvmesh_vs_pow2"),
             "ttft_p90_affinity_over_kvmesh": s.get("ttft_p90_affinity_over_kvmesh")}
-    return {k: {"value": v, "target": TARGETS[k], "met": v is not None and v >= TARGETS[k]} for k, v in vals.items()}
+    out = {k: {"value": v, "target": TARGETS[k], "met": v is not None and v >= TARGETS[k]} for k, v in vals.items()}
+    for k, b in (s.get("bootstrap") or {}).items():
+        if k in out:
+            out[k].update(interval_90=[b["p05"], b["p95"]], met_share=b["met_share"])
+    return out
 
 
 def plot(curves: dict[str, list[Point]], hit_ratios: dict[str, dict[str, float | None]], path) -> None:

@@ -6,7 +6,8 @@ session 17's runs at the same settings). This reads the given ``cluster*.json`` 
 every run's shared-prefix summary with the current ``bench.cluster_report`` (so runs written by
 older code are judged the same way), and prints per run and over all of them (min / median / max,
 and how many runs met each target): hit tokens vs the oracle, kvmesh's throughput ratio to
-affinity and pow2 at equal p99 TTFT, TTFT p90 affinity/kvmesh at the highest common rate, each
+affinity and pow2 at equal p99 TTFT (and, for runs that kept each request's TTFT, the 90% interval
+of the ratio to affinity over resamples of the requests), TTFT p90 affinity/kvmesh at the highest common rate, each
 configuration's p99 TTFT at its highest rate, and per configuration the request path outside the
 engine at the lowest rate (client TTFT p50 minus the engines' own TTFT p50 from the step
 traces, where the run recorded them).
@@ -39,6 +40,8 @@ def run_row(doc: dict, name: str) -> dict:
     t = report.targets(s) if cv else {}
     row: dict = {"run": name, **{k: (t.get(k) or {}).get("value") for k in RATIOS}}
     row["p90_rate"] = (s.get("ttft_p90_rate") or {}).get("rate")
+    # each ratio's 90% interval over resamples of the run's requests (runs that kept their samples)
+    row["interval_90"] = {k: t[k]["interval_90"] for k in RATIOS if "interval_90" in (t.get(k) or {})}
     row["p99_at_top_rate"] = {}
     row["outside_engine_p50_s"] = {}
     for cfg, res in doc["configs"].items():
@@ -79,10 +82,13 @@ def main() -> None:
             continue
         rows.append(run_row(doc, Path(path).name))
     f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
-    print(f"{'run':40s} {'hits':>5s} {'/aff':>5s} {'/pow2':>5s} {'p90x':>5s}  p99 s at the top rate (req/s)")
+    print(f"{'run':40s} {'hits':>5s} {'/aff':>5s} {'90% of resamples':>16s} {'/pow2':>5s} {'p90x':>5s}  "
+          "p99 s at the top rate (req/s)")
     for r in rows:
         tops = ", ".join(f"{c} {v['p99_s']:.1f} ({v['throughput']:.2f})" for c, v in r["p99_at_top_rate"].items())
+        iv = r["interval_90"].get("kvmesh_vs_affinity")
         print(f"{r['run']:40s} {f(r['hit_tokens_vs_oracle']):>5s} {f(r['kvmesh_vs_affinity']):>5s} "
+              f"{(f(iv[0]) + '-' + f(iv[1])) if iv else '-':>16s} "
               f"{f(r['kvmesh_vs_pow2']):>5s} {f(r['ttft_p90_affinity_over_kvmesh']):>5s}  {tops}")
     sp = spread(rows)
     for k, v in sp.items():

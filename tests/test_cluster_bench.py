@@ -136,6 +136,51 @@ def test_summary_has_the_contract_keys_and_p90_at_the_highest_common_sustained_r
     assert set(t) == {"hit_tokens_vs_oracle", "kvmesh_vs_affinity", "kvmesh_vs_pow2", "ttft_p90_affinity_over_kvmesh"}
 
 
+def S(rate, thr, samples):
+    """A stage with each request's TTFT (``samples``), its percentiles computed from them."""
+    from bench.loadgen import percentile
+
+    ok = [x for x in samples if x is not None]
+    return report.Point(rate, thr, percentile(ok, 50), percentile(ok, 90), percentile(ok, 99), samples=tuple(samples))
+
+
+def test_bootstrap_resamples_the_same_requests_for_every_configuration():
+    """Two configurations that measured the same: paired resamples (the same request indices in
+    each stage) give the ratio 1 every time; independent resamples would spread it."""
+    curve = [S(1, 1.0, [0.3 + 0.01 * i for i in range(20)]), S(2, 1.6, [0.5 + 0.1 * i for i in range(20)])]
+    b = report.bootstrap({"kvmesh": curve, "affinity": list(curve)}, replicates=200)
+    assert b["paired_stages"] == 2 and b["replicates"] == 200
+    ka = b["kvmesh_vs_affinity"]
+    assert ka["p05"] == pytest.approx(1.0) and ka["p95"] == pytest.approx(1.0) and ka["met_share"] == 0.0
+    assert b["ttft_p90_affinity_over_kvmesh"]["p50"] == pytest.approx(1.0)
+
+
+def test_bootstrap_shows_a_ratio_set_by_one_slow_request():
+    """kvmesh carries more (1.8 against 1.5 req/s) but one request of its top stage took 30 s
+    (a recompute): the measured ratio is below 1; in the resamples without that request (about
+    (19/20)^20 = 36% of them) kvmesh's p99 never reaches affinity's and the ratio is its top
+    throughput over affinity's, a lower bound."""
+    kv = [S(1, 1.0, [0.5] * 20), S(2, 1.8, [1.0] * 19 + [30.0])]
+    aff = [S(1, 1.0, [0.5] * 20), S(2, 1.5, [1.0] * 19 + [2.0])]
+    curves = {"kvmesh": kv, "affinity": aff}
+    s = report.summary(curves, {"kvmesh": 1, "affinity": 1}, 1)
+    assert s["throughput_at_equal_p99_ttft"]["kvmesh_vs_affinity"] < 0.8
+    b = s["bootstrap"]["kvmesh_vs_affinity"]
+    assert b["p05"] < 0.8 and b["p95"] == pytest.approx(1.8 / 1.5) and b["met_share"] == 0.0
+    assert 0.25 < b["lower_bound_share"] < 0.47 and b["none_share"] == 0.0
+    t = report.targets(s)["kvmesh_vs_affinity"]
+    assert t["interval_90"] == [b["p05"], b["p95"]] and t["met_share"] == 0.0
+
+
+def test_bootstrap_needs_every_stages_samples_and_skips_failed_requests():
+    assert report.bootstrap({"kvmesh": [P(1, 1.0, 0.5)], "affinity": [P(1, 1.0, 0.6)]}) == {}
+    assert "bootstrap" not in report.summary({"kvmesh": [P(1, 1.0, 0.5)], "affinity": [P(1, 1.0, 0.6)]},
+                                             {"kvmesh": 1, "affinity": 1}, 1)
+    p = S(1, 1.0, [0.2, None, 0.4])
+    assert report.resampled(p, [1, 1, 2]).ttft_p99 == pytest.approx(0.4)  # the failed one counts for nothing
+    assert report.resampled(p, [1, 1]) == p  # nothing but failures: the stage as measured
+
+
 def test_a_stage_is_sustained_against_the_rate_really_offered():
     """inference-perf's Poisson stages send over a random span: a stage that really got 0.28 req/s
     of a nominal 0.4 and completed 0.26 kept up; one that got 0.51 and completed 0.40 did not."""
@@ -272,6 +317,56 @@ def test_finish_summarises_the_hot_prefix_series_apart_from_the_shared_prefix_on
     assert hot["throughput_at_equal_p99_ttft"]["kvmesh_vs_affinity"] == pytest.approx(2.0)
     assert s["throughput_at_equal_p99_ttft"]["kvmesh_vs_affinity"] != hot["throughput_at_equal_p99_ttft"]["kvmesh_vs_affinity"]
     assert (tmp_path / "cluster.png").exists()
+
+
+def _reports(d: Path, stages: list[list[float]]) -> None:
+    """inference-perf's reports of one steady sweep whose stages' requests had these TTFTs."""
+    d.mkdir(parents=True)
+    ttfts = [t for st in stages for t in st]
+    entries = [{"start_time": 10.0 + i, "end_time": 11.0 + i, "request": json.dumps({"prompt": f"p{i}"}),
+                "info": {"response_metrics": {"server_usage": {"prompt_tokens": 100, "completion_tokens": 16}}},
+                "computed_metrics": {"time_to_first_token": t, "request_latency": 1.0, "time_per_output_token": 0.05},
+                "error": None} for i, t in enumerate(ttfts)]
+    (d / "per_request_lifecycle_metrics.json").write_text(json.dumps(entries))
+    for k, st in enumerate(stages):
+        (d / f"stage_{k}_lifecycle_metrics.json").write_text(json.dumps({"load_summary": {"count": len(st)}}))
+
+
+def test_resummarize_fills_in_a_written_runs_samples_from_its_reports(tmp_path):
+    """A run written before stages kept their requests' TTFTs gets them from inference-perf's
+    reports in its run directory (a paired run's under <configuration>/cluster_run), checked
+    against the p99 it recorded, and its summary gains the bootstrap intervals."""
+    from bench.cluster import resummarize
+
+    kv, aff = [[0.1], [0.2, 0.3], [0.4, 0.9]], [[0.1], [0.3, 0.5], [0.6, 2.0]]  # warm-up first
+    _reports(tmp_path / "run" / "kvmesh-shared-steady" / "reports", kv)
+    _reports(tmp_path / "run" / "affinity" / "cluster_run" / "affinity-shared-steady" / "reports", aff)
+
+    def stages(ttfts):
+        out = []
+        for rate, st in zip((1, 2), ttfts[1:]):
+            x = _stage(rate, 0.9 * rate, max(st), 90, 100)
+            x["requests"] = len(st)
+            x["ttft_s"]["p99"] = st[0] + 0.99 * (st[1] - st[0])
+            out.append(x)
+        return out
+
+    doc = {"machine": {}, "load_avg": {}, "configs": {"kvmesh": {"shared_prefix": stages(kv)},
+                                                      "affinity": {"shared_prefix": stages(aff)}}}
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(doc))
+    resummarize(path, tmp_path / "run")
+    out = json.loads(path.read_text())
+    assert [st["ttft_samples_s"] for st in out["configs"]["kvmesh"]["shared_prefix"]] == kv[1:]
+    assert [st["ttft_samples_s"] for st in out["configs"]["affinity"]["shared_prefix"]] == aff[1:]
+    assert out["summary"]["bootstrap"]["kvmesh_vs_affinity"]["p50"] > 0
+    assert "interval_90" in out["targets"]["kvmesh_vs_affinity"]
+    # reports that do not give the recorded figures stop it, the document untouched
+    doc["configs"]["kvmesh"]["shared_prefix"][1]["ttft_s"]["p99"] = 5.0
+    path.write_text(json.dumps(doc))
+    with pytest.raises(SystemExit, match="does not match"):
+        resummarize(path, tmp_path / "run")
+    assert json.loads(path.read_text()) == doc
 
 
 def test_ratios_adjusted_to_the_speed_each_configuration_met():
@@ -509,6 +604,7 @@ def test_steady_sweep_is_one_inference_perf_run_cut_into_stages(tmp_path, monkey
     assert cfg["data"]["shared_prefix"]["num_prompts_per_group"] * 3 >= (0.5 + 0.5 + 1.5) * 10  # no repeats
     assert [s["warmup"] for s in stages] == [True, False, False] and [s["requests"] for s in stages] == [1, 2, 2]
     assert [s["offered_rate"] for s in stages] == [0.5, 0.4, 1.9]
+    assert [s["ttft_samples_s"] for s in stages] == [[0.01], [0.01, 0.01], [0.01, 0.01]]  # in send order
     assert stages[0]["hit"]["oracle_cached_tokens"] == 0 and stages[1]["hit"]["oracle_cached_tokens"] > 0
     for s in stages:  # wall-clock windows, around now (not perf_counter's epoch)
         t0, t1 = s["wall_clock"]
