@@ -98,7 +98,8 @@ class Stage:
 def stages(rates: Sequence[float] = (0.4, 0.7, 1.0, 1.3), stage_s: float = 45.0, groups: int = 12, users: int = 5,
            system_len: int = 512, question_len: int = 40, output_len: int = 16, seed: int = 0,
            hot: bool = False, steady: bool = False, warmup_stages: int = 1,
-           order: Sequence[int] | None = None, chat: bool = False) -> list[Stage]:
+           order: Sequence[int] | None = None, chat: bool = False,
+           then_hot: Sequence[float] = ()) -> list[Stage]:
     """One stage per rate, fresh groups each (``hot``: one group, users enough that no prompt
     repeats, as the bench's hot-prefix variant); Poisson arrivals over ``stage_s``. ``steady``:
     the bench's ``--sweep steady``: one set of groups walked through a warm-up stage at the first
@@ -111,7 +112,18 @@ def stages(rates: Sequence[float] = (0.4, 0.7, 1.0, 1.3), stage_s: float = 45.0,
     much hotter in every stage (the default size's first 35 requests hold group 0 nine times).
     ``chat``: the bench's multi-turn workload per stage (``bench.workloads.multi_turn``: 3-turn
     sessions starting at rate / 3 per second, turns 4 s apart, one 256-token system prompt per
-    stage shared by its sessions, 32-token user turns, 16 output tokens)."""
+    stage shared by its sessions, 32-token user turns, 16 output tokens). ``then_hot`` (steady): the
+    bench's hot-prefix series after the steady one, as ``bench/cluster.py`` runs them: one new
+    group, a warm-up stage at its first rate and then each rate, with the caches and the router's
+    state carried over; only these stages are scored (the steady ones become warm-ups): how fast
+    a group that turns hot while the others fade gets its holders."""
+    if then_hot:
+        first = stages(rates, stage_s, groups, users, system_len, question_len, output_len, seed,
+                       steady=True, warmup_stages=warmup_stages, order=order)
+        hot = stages(then_hot, stage_s, groups, users, system_len, question_len, output_len, seed + 104729,
+                     hot=True, steady=True)
+        return [replace(st, warmup=True) for st in first] + \
+            [replace(st, items=tuple(replace(it, group=f"hot{it.group}") for it in st.items)) for st in hot]
     if chat:
         out = []
         for k, rate in enumerate(rates):
@@ -495,6 +507,7 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "s11": ({}, 0.0, "e982842"),  # main at the end of session 11 (share of the last 8 requests, balance on)
     "no balance": ({"balance_ratio": 0.0}, 0.0, "new"),
     "balance on": ({"balance_ratio": 2.0}, 0.0, "new"),  # session 11's overloaded-holder rule
+    "group tau 10": ({"group_tau_s": 10.0}, 0.0, "new"),
     "group tau 15": ({"group_tau_s": 15.0}, 0.0, "new"),
     "group tau 60": ({"group_tau_s": 60.0}, 0.0, "new"),
     "place tie 0": ({"place_tie": 0.0}, 0.0, "new"),
@@ -505,7 +518,12 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "decode places": ({"place_counts_decode": True}, 0.0, "new"),
     "pull charge 1": ({"spill_pull_charge": 1.0}, 0.0, "new"),
     "pull charge 0": ({"spill_pull_charge": 0.0}, 0.0, "new"),
-    "no idle spill": ({"idle_slack": 0.0}, 0.0, "new"),  # before session 16: a hot group never takes an idle worker
+    "no idle spill": ({"idle_slack": 0.0}, 0.0, "new"),
+    "match tie 0": ({"match_tie": 0.0}, 0.0, "new"),  # before session 29: holders within tie_ratio, by headroom
+    "match tie 0.1": ({"match_tie": 0.1}, 0.0, "new"),
+    "match tie 0.5": ({"match_tie": 0.5}, 0.0, "new"),
+    "match tie 1": ({"match_tie": 1.0}, 0.0, "new"),
+    "match tie 3": ({"match_tie": 3.0}, 0.0, "new"),  # before session 16: a hot group never takes an idle worker
     "any share spills": ({"spill_share_margin": None}, 0.0, "new"),  # before session 17: one of many groups spills too
     "share taken as exact": ({"spill_share_z": 0.0}, 0.0, "new"),  # no lower confidence bound on the share
     "share margin -0.25": ({"spill_share_margin": -0.25}, 0.0, "new"),
@@ -517,7 +535,8 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
 
 def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _cache: dict = {},
                 steady: bool = False, rates: Sequence[float] | None = None, stage_s: float = 45.0,
-                warmup_stages: int = 1, order: Sequence[int] | None = None, chat: bool = False) -> list[dict]:
+                warmup_stages: int = 1, order: Sequence[int] | None = None, chat: bool = False,
+                then_hot: Sequence[float] = ()) -> list[dict]:
     """``name``: a router, a ``VARIANTS`` key, or either with ``+learn`` (the decode term learned)."""
     base, learn = (name[: -len("+learn")], True) if name.endswith("+learn") else (name, False)
     fields, decode_s, kind = VARIANTS[base] if base in VARIANTS else ({}, 0.0, "new")
@@ -530,7 +549,7 @@ def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _ca
     rows = []
     for seed in seeds:
         run = stages(rates or (0.4, 0.7, 1.0, 1.3), stage_s=stage_s, seed=seed, hot=hot, steady=steady,
-                     warmup_stages=warmup_stages, order=order, chat=chat)
+                     warmup_stages=warmup_stages, order=order, chat=chat, then_hot=then_hot)
         res = simulate(run, router, replace(cfg, seed=seed), legacy_cfg(**fields),
                        decode_s, placer_cls, learn_decode=learn)
         rows.append({"seed": seed, **res})
@@ -608,10 +627,13 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default=",".join([*ROUTERS[1:], *VARIANTS]),
                     help=f"comma list of {list(VARIANTS)} and baseline routers {ROUTERS[1:]}")
     ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--workload", choices=("shared", "hot", "closed", "steady", "chat"), default="shared",
+    ap.add_argument("--workload", choices=("shared", "hot", "closed", "steady", "chat", "steady_hot"),
+                    default="shared",
                     help="shared: the cluster bench's stages; hot: one group; chat: multi-turn sessions sharing a "
                          "system prompt; closed: placement_sim's defaults; "
-                         "steady: the bench's --sweep steady (one set of groups through a warm-up and every rate)")
+                         "steady: the bench's --sweep steady (one set of groups through a warm-up and every rate); "
+                         "steady_hot: steady, then the bench's hot-prefix series (--hot-rates), only the latter scored")
+    ap.add_argument("--hot-rates", default="0.7,1.3", help="steady_hot: the hot series' rates (the bench's default)")
     ap.add_argument("--rates", default=None, help="offered rates (req/s), comma separated")
     ap.add_argument("--stage-s", type=float, default=45.0,
                     help="seconds per rate (the cluster bench's default: 30)")
@@ -649,16 +671,19 @@ def main(argv=None) -> None:
                   f"ttft p90 {agg['ttft_p90_s']:.3f} s", flush=True)
             continue
         rates = [float(x) for x in a.rates.split(",")] if a.rates else None
-        agg = aggregate(run_variant(name, range(a.seeds), a.workload == "hot", cfg, steady=a.workload == "steady",
+        agg = aggregate(run_variant(name, range(a.seeds), a.workload == "hot", cfg,
+                                    steady=a.workload in ("steady", "steady_hot"),
                                     rates=rates, stage_s=a.stage_s, warmup_stages=a.warmup_stages,
                                     chat=a.workload == "chat",
+                                    then_hot=[float(x) for x in a.hot_rates.split(",")]
+                                    if a.workload == "steady_hot" else (),
                                     order=json.loads(Path(a.ipperf_order).read_text()) if a.ipperf_order else None))
         res[name] = agg
         pr = agg["per_rate"]
         print(f"{a.workload:6s} {name:32s} hit {agg['hit_vs_oracle']:.3f}  " + "  ".join(
             f"@{r}: {v['throughput']:.2f}/s p50 {v['ttft_p50']:.1f} p90 {v['ttft_p90']:.1f} p99 {v['ttft_p99']:.1f}"
             for r, v in pr.items()) + (f"  warm-up max groups {Counter(agg['warmup_max_groups'])}"
-                                       if a.workload == "steady" else "") + f"  ({time.perf_counter() - t:.0f} s)",
+                                       if a.workload in ("steady", "steady_hot") else "") + f"  ({time.perf_counter() - t:.0f} s)",
               flush=True)
     if "affinity" in res and a.workload != "closed":
         ref = curve(res["affinity"])

@@ -114,6 +114,15 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     this spreads groups evenly over caches they fill), not behind a slow link (``remote_ratio``:
     a group's copies are pulled from where it was placed), least loaded now, coldest victims,
     then the rendezvous order, not worker order.
+  * **a match goes to the holder with the fewest requests in flight among near ties**
+    (``match_tie``): holders that would reuse as many blocks as the chosen one, with a TTFT within
+    half again of the fastest holder's, are ties decided by requests decoding or waiting there,
+    as power of two choices decides. The TTFTs compared carry each worker's own prefill fit, and
+    fits of identical hosts differ by ~10%: a hot prefix held by every worker went to the holder
+    fitted fastest whenever its queue allowed (the cluster bench, session 28: 14 of 21 requests on
+    one of three holders, TTFT p90 0.80 s against pow2's 0.66 s; the replay of its hot-after-steady
+    series, ``bench/placement_openloop.py --workload steady_hot``: 0.83 against pow2's 0.92 req/s
+    at 1.3 offered, 0.89 with the rule).
 
 Invariants: a ``ShadowCache`` never holds more than its capacity; ``choose`` returns one of the
 given views; with no views it raises ``ValueError``; a measured p(reuse) lies in (0, 1); with
@@ -147,6 +156,12 @@ class PlacementConfig:
     compute_weight: float = 1.0  # a spill's extra prefill (blocks the holder reuses and it computes), at this x
     tie_ratio: float = 0.05  # TTFTs this close to the best are ties ...
     tie_abs_s: float = 0.005  # ... or this close
+    # holders that would reuse as much as the chosen one and whose TTFT is within this share of the
+    # best holder's are ties decided by the fewest requests in flight there (decoding or without a
+    # first token), as power of two choices decides: per-worker prefill fits differ by ~10% on
+    # identical hosts, and a hot prefix held by every worker went to the one fitted fastest
+    # (0: off, holders within ``tie_ratio`` only, by headroom)
+    match_tie: float = 0.5
     place_slack: float = 1.0  # new prefix: workers within this x the prompt's own prefill of the fastest
     place_abs_s: float = 0.05
     # a new prefix's options this close (x its own prefill) to the cheapest are ties, decided by
@@ -521,14 +536,30 @@ def _idle_target(views: Sequence[WorkerView], best_h: WorkerView, best_h_s: floa
     """The worker a busy holder's dominant group spills to because it is idle (``idle_slack``):
     nothing queued or decoding there, room for the copy without evicting a warm block, and its
     TTFT within ``idle_slack`` x the prompt's prefill of the holder's. The fastest such worker."""
-    # decoding sequences, and the prompts queued or prefilling (their number unknown: one if any)
-    busy = best_h.running + max(best_h.queued if c.idle_counts_queued else 0, int(best_h.load > 0))
-    if c.idle_slack <= 0 or busy < c.idle_busy_running:
+    if c.idle_slack <= 0 or _in_flight(best_h, c.idle_counts_queued) < c.idle_busy_running:
         return None
     limit = best_h_s + c.idle_slack * prompt_prefill_s
     idle = [v for v in views if v.load <= 0 and v.running == 0 and v.eviction[0] == 0
             and v.local_blocks < best_h.local_blocks and v.ttft_s <= limit + 1e-12]
     return min(idle, key=lambda v: (v.ttft_s, v.rank, v.worker)) if idle else None
+
+
+def _in_flight(v: WorkerView, counts_queued: bool = True) -> int:
+    """Requests in flight on ``v``: decoding, and the prompts queued or prefilling (their number
+    unknown, or not ``counts_queued``: one if any)."""
+    return v.running + max(v.queued if counts_queued else 0, int(v.load > 0))
+
+
+def _match(holders: Sequence[WorkerView], best_h_s: float, headroom: Callable[[WorkerView], tuple],
+           c: PlacementConfig) -> WorkerView:
+    """The holder a match goes to: among those within ``tie_ratio`` of the fastest, by headroom;
+    then, among the holders reusing as much as that one within ``match_tie`` of the fastest, the
+    one with the fewest requests in flight (see ``PlacementConfig.match_tie``)."""
+    best = min(_within(holders, best_h_s, c.tie_ratio, c.tie_abs_s), key=headroom)
+    if c.match_tie <= 0:
+        return best
+    ties = [v for v in _within(holders, best_h_s, c.match_tie, c.tie_abs_s) if v.reused >= best.reused]
+    return min(ties, key=lambda v: (v.eviction[0], _in_flight(v), v.load, headroom(v)))
 
 
 def _within(views: Sequence[WorkerView], best_s: float, ratio: float, abs_s: float) -> list[WorkerView]:
@@ -556,7 +587,7 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
     headroom = _headroom(over, _remote(views, c))
     if holders:
         best_h_s = min(v.ttft_s for v in holders)
-        best_h = min(_within(holders, best_h_s, c.tie_ratio, c.tie_abs_s), key=headroom)
+        best_h = _match(holders, best_h_s, headroom, c)
         # a copy on a second worker takes cache space other groups may need (now or when they
         # arrive): only for an option faster by the spill margin, counting the warm blocks it
         # evicts at what recomputing them later costs (the prompt's prefill per block)

@@ -268,6 +268,22 @@ def test_ties_between_holders_go_by_headroom():
     assert choose([a, b], 39, 0.5).worker == "w1"
 
 
+def test_holders_near_a_tie_go_to_the_one_with_the_fewest_requests_in_flight():
+    """A hot prefix held by every worker: per-worker prefill fits differ by ~10% on identical
+    hosts, so the holder fitted fastest took most requests while others idled (the cluster
+    bench's hot prefix, session 28: 14 of 21 requests on one of three holders). Within
+    ``match_tie`` of the fastest holder, the fewest requests in flight decide; a holder that would
+    reuse fewer blocks (a chat turn's other holders have only the system prompt) is no tie."""
+    fitted_fast = replace(view("w0", 0.60, local=34), running=2)
+    idle = view("w1", 0.80, local=34)
+    queued = replace(view("w2", 0.62, local=34, load=40.0), queued=1)
+    assert choose([fitted_fast, idle, queued], 34, 0.9).worker == "w1"
+    assert choose([fitted_fast, idle, queued], 34, 0.9, PlacementConfig(match_tie=0)).worker == "w0"
+    assert choose([fitted_fast, replace(idle, ttft_s=0.95), queued], 34, 0.9).worker == "w2"  # 0.95 > 0.6 x 1.5
+    system_only = WorkerView("w1", 0.70, 16, (0, 0, 0.0), reused_blocks=16)
+    assert choose([fitted_fast, system_only], 34, 0.9).worker == "w0"
+
+
 def test_rendezvous_is_stable_and_spreads_keys():
     ws = ["w0", "w1", "w2", "w3"]
     assert rendezvous_order(b"k", ws) == rendezvous_order(b"k", list(reversed(ws)))
