@@ -14,10 +14,12 @@ rate sweep: ``Point``s in the order the rates were offered.
   throughput >= ``SUSTAIN`` x the rate really offered, no errors); TTFT p90 ratios are taken there.
 * ``bootstrap``: how far one run's ratios move with its requests alone. A stage of 60 requests
   has its p99 set by its slowest one or two, and the ratio at equal p99 is read at the baseline's
-  saturated p99, so one request can swing a run's ratio from 0.6 to 1.3 (sessions 24-28's default
-  runs: 0.60-1.48 with the same settings). Each replicate resamples every stage's requests with
-  replacement and recomputes the ratios as ``summary`` does; the interval and the share of
-  replicates that meet a target say whether the run can tell a ratio from its target at all.
+  saturated p99. Each replicate resamples every stage's requests with replacement and recomputes
+  the ratios as ``summary`` does; the interval and the share of replicates that meet a target say
+  whether the run can tell a ratio from its target at all. (Runs of the same command move more
+  than that: sessions 24-29's default runs read kvmesh / affinity 0.60-1.48, and session 28's
+  interval was 0.51-0.95: which worker each group lands on and which group goes cold differ
+  between runs, not only which requests were slow.)
 """
 
 from __future__ import annotations
