@@ -520,6 +520,9 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "pull charge 0": ({"spill_pull_charge": 0.0}, 0.0, "new"),
     "no idle spill": ({"idle_slack": 0.0}, 0.0, "new"),
     "match tie 0": ({"match_tie": 0.0}, 0.0, "new"),  # before session 29: holders within tie_ratio, by headroom
+    "scaled prefill": ({}, 0.0, "c450ae0"),  # main before the full-prefill estimate (session 29): scaled by tokens
+    "minor 1": ({"minor_spill_prefills": 1.0}, 0.0, "new"),  # the default before session 29 (on a prefill read 2-7x too long)
+    "minor never": ({"minor_spill_prefills": None}, 0.0, "new"),
     "match tie 0.1": ({"match_tie": 0.1}, 0.0, "new"),
     "match tie 0.5": ({"match_tie": 0.5}, 0.0, "new"),
     "match tie 1": ({"match_tie": 1.0}, 0.0, "new"),

@@ -60,8 +60,8 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     *cluster's* recent traffic (``spill_share_margin``): its share x workers, taken at the share's
     lower confidence bound over the requests it is measured on (``spill_share_z``), at least its
     holders. One of twelve equal groups never qualifies; a hot group gets every worker. A group
-    short of it (minor) leaves only a swamped holder: slower than the spill margin by a whole
-    prefill of the prompt more (``minor_spill_prefills``). ``PlacementConfig(spill_ratio=0, spill_abs_s=0,
+    short of it (minor) leaves only a swamped holder: slower than the spill margin by four
+    prefills of the prompt more (``minor_spill_prefills``). ``PlacementConfig(spill_ratio=0, spill_abs_s=0,
     evict_weight=0)`` is the plain per-request TTFT choice (``TTFT_ONLY``).
   * **an overloaded holder lets any group go** (opt-in, ``balance_ratio`` > 0; off by default:
     replayed over 30 paired seeds it cost 1-4% on steady groups and gained nothing on hot or
@@ -217,9 +217,13 @@ class PlacementConfig:
     spill_share_z: float = 1.0
     idle_share_margin: float = 0.5
     # a group short of that share (a minor group) still spills from a holder slower than the spill
-    # margin by this many of the prompt's own prefills more (a swamped holder; None: never). The
-    # replay's steady, fresh and hot workloads never reach it (1, 2 and 4 read identical to never)
-    minor_spill_prefills: float | None = 1.0
+    # margin by this many of the prompt's own prefills more (a swamped holder; None: never). Until
+    # session 29 the prompt's prefill read 2-7x too long wherever the prefix could be pulled
+    # (``full_prefill_s``), and 1 never fired in the replays; with the estimate corrected, 1 spilled
+    # minor groups in the steady sweep's slow warm-up (``bench/placement_openloop.py --workload
+    # steady``, 40 seeds: a worker with 4 groups in 32, hits 0.947 against 0.980), while 4 and never
+    # read identical to the rule as it was measured
+    minor_spill_prefills: float | None = 4.0
     # a new prefix, or a spill's copy, stays off a worker whose prefix blocks
     # (``ShadowCache.prefix_blocks``) would then exceed this share of its pool while another worker
     # has room: the rest of the pool is its requests' own blocks (prompt tails, outputs), which
@@ -917,9 +921,16 @@ def share_lower_bound(share: float, weight: float | None, z: float) -> float:
 
 
 def full_prefill_s(ranking: Sequence[Candidate], prompt_tokens: int) -> float:
-    """The prompt's prefill time without any cached prefix, from a ranking: a recompute
-    candidate's own estimate, else the least-cached candidate's scaled to the whole prompt."""
+    """The prompt's prefill time without any cached prefix, from a ranking: the least-cached
+    candidate's estimate of it (``Candidate.full_prefill_s``), else (a candidate without one) that
+    candidate's prefill scaled to the whole prompt. The scaled figure counts the fixed cost of a
+    prefill once per computed token: where every worker holds or can pull the prefix it read 7-24 s
+    for a 552-token prompt that takes 3.3 s (the cluster bench's placement log, session 29), and
+    every rule priced in prompt prefills (evictions, repeated compute, the idle and minor-spill
+    margins, a new prefix's slack) was off by that much."""
     c = min(ranking, key=lambda c: (c.cached_tokens, c.worker))
+    if c.full_prefill_s > 0:
+        return c.full_prefill_s
     return c.prefill_s * prompt_tokens / max(1, prompt_tokens - c.cached_tokens)
 
 

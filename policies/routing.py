@@ -440,6 +440,12 @@ class Candidate:
     # the median time to send the prompt's usable blocks from this worker's node to the other
     # workers' nodes: what a later copy of a prefix placed here takes (0: no other node)
     copy_out_s: float = 0.0
+    # this worker's prefill of the whole prompt with nothing cached, and of the prompt after its own
+    # prefix (a pull's prefill if its pulls fail); 0: unknown. A prefill has a fixed cost, so
+    # ``prefill_s`` scaled by tokens is neither: a 40-token question's 0.5 s x 552 / 40 read 7 s
+    # for a 552-token prompt that takes 3.3 s
+    full_prefill_s: float = 0.0
+    own_prefill_s: float = 0.0
 
     @property
     def exposed_pull_s(self) -> float:
@@ -651,10 +657,12 @@ class CostModel:
         for w in targets:
             own = max(held_blocks.get(w, 0), self.usable_tokens(prompt_tokens, pending.get(w, 0)) // bs) * bs
             wait, dec, kv = self._wait_parts(w, kv_blocks(prompt_tokens + 1, bs) * bs - shared.get(w, 0))
-            pre = self.prefill_s(w, prompt_tokens - own, own)
+            pre = own_pre = self.prefill_s(w, prompt_tokens - own, own)
+            full = self.prefill_s(w, prompt_tokens, 0) if own else pre
             copy_out = self.copy_out_s(w, target_nodes, copy_bytes)
             out.append(Candidate(w, "local" if own else "recomputed", wait + pre, wait, pre, 0.0, own, 0,
-                                 decode_wait_s=dec, kv_wait_s=kv, copy_out_s=copy_out))
+                                 decode_wait_s=dec, kv_wait_s=kv, copy_out_s=copy_out, full_prefill_s=full,
+                                 own_prefill_s=own_pre))
             for level in levels:
                 if level * bs <= own:
                     continue
@@ -666,7 +674,8 @@ class CostModel:
                 pre = self.prefill_s(w, prompt_tokens - cached, cached)
                 queued = max(wait, pull_s) if self.config.pull_overlaps_wait else wait + pull_s
                 out.append(Candidate(w, "pulled", queued + pre, wait, pre, pull_s, own,
-                                     cached - own, ranges, dec, kv, copy_out_s=copy_out))
+                                     cached - own, ranges, dec, kv, copy_out_s=copy_out, full_prefill_s=full,
+                                     own_prefill_s=own_pre))
         return out
 
     def copy_out_s(self, worker: WorkerId, nodes: Sequence[NodeId], nbytes: int) -> float:

@@ -420,7 +420,7 @@ def test_a_group_spills_only_with_its_holders_worth_of_the_clusters_traffic():
     most of its holder's requests lately by chance (Poisson bursts) stays, where its copy took the
     room of the resident groups' requests (the cluster bench, session 16: 4 prefixes on a worker
     sized for 4). A group with a quarter of 4 workers' traffic spills to a second holder, not a
-    third. A minor group leaves only a swamped holder (a whole prefill beyond the spill margin)."""
+    third. A minor group leaves only a swamped holder (four prefills beyond the spill margin)."""
     holder = WorkerView("w0", 1.2, 37, (0, 0, -10.0), group_share=0.9)  # 1.2 s > 0.4 x 1.5 + 0.05
     free = WorkerView("w1", 0.4, 0, (0, 0, -60.0), reused_blocks=37)
     others = [WorkerView(f"w{i}", 2.0, 0, (0, 0, -10.0)) for i in (2, 3)]
@@ -432,9 +432,10 @@ def test_a_group_spills_only_with_its_holders_worth_of_the_clusters_traffic():
     second = replace(others[0], local_blocks=37, ttft_s=1.2)
     assert choose([holder, free, second, others[1]], 39, 0.6, cluster_share=0.25).kind == "match"
     assert choose([holder, free, second, others[1]], 39, 0.6, cluster_share=0.5).worker == "w1"
-    # a swamped holder (1.3 s > 0.65 s + one 0.6 s prefill) lets even a minor group go
-    swamped = [replace(holder, ttft_s=1.3), free, *others]
+    # a swamped holder (3.1 s > 0.65 s + four 0.6 s prefills) lets even a minor group go
+    swamped = [replace(holder, ttft_s=3.1), free, *others]
     assert choose(swamped, 39, 0.6, cluster_share=1 / 12).worker == "w1"
+    assert choose([replace(holder, ttft_s=2.9), free, *others], 39, 0.6, cluster_share=1 / 12).kind == "match"
     assert choose(swamped, 39, 0.6, PlacementConfig(minor_spill_prefills=None), cluster_share=1 / 12).kind == "match"
     # measured on few requests, a share must be sure: 4 of the last 15 (0.27, 1.07 workers' worth)
     # is at least 0.17 at one standard error (0.68 workers): a chance burst of one of 12 groups

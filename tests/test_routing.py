@@ -1,6 +1,7 @@
 """Cost model of the network-aware router (policies/routing.py): pure, no Ray."""
 
 import asyncio
+from dataclasses import replace
 import random
 import time
 
@@ -161,6 +162,27 @@ def test_rank_is_one_best_candidate_per_worker():
     r = cm.rank(2048, {"A": 2048})
     assert sorted(c.worker for c in r) == ["A", "B", "C"]
     assert [c.expected_ttft_s for c in r] == sorted(c.expected_ttft_s for c in r)
+
+
+def test_candidates_carry_the_whole_prompts_prefill_and_the_prefill_without_their_pulls():
+    """A prefill has a fixed cost, so a 40-token question's prefill scaled by tokens misreads the
+    whole prompt's (placement prices evictions, repeated compute and its margins in whole-prompt
+    prefills; the router prices recomputing a failed pull's tokens): every candidate carries its
+    worker's prefill of the whole prompt with nothing cached and of the prompt after its own prefix."""
+    from policies.placement import full_prefill_s
+
+    cm = model(("A", "n1"), ("B", "n2"), prior=PrefillPrior(a=0.3, b=4.0))
+    cm.observe_load("A", WorkerLoad(extra_wait_s=5.0))  # a busy holder: B pulls
+    ranking = cm.rank(552, {"A": 544})
+    whole = cm.prefill_s("A", 552, 0)
+    for c in ranking:
+        assert c.full_prefill_s == pytest.approx(cm.prefill_s(c.worker, 552, 0))
+        assert c.own_prefill_s == pytest.approx(cm.prefill_s(c.worker, 552 - c.local_tokens, c.local_tokens))
+    pull = next(c for c in ranking if c.kind == "pulled")
+    assert pull.worker == "B" and pull.own_prefill_s == pytest.approx(whole)  # B holds nothing of its own
+    assert pull.prefill_s * 552 / (552 - pull.cached_tokens) > 3 * whole  # what scaling read
+    assert full_prefill_s(ranking, 552) == pytest.approx(whole)
+    assert full_prefill_s([replace(c, full_prefill_s=0.0) for c in ranking], 552) > 3 * whole  # without it
 
 
 # -- estimators --------------------------------------------------------------------------------
