@@ -150,16 +150,15 @@ def bootstrap(curves: dict[str, list[Point]], replicates: int = REPLICATES, seed
     if not curves or any(not p.samples for c in curves.values() for p in c):
         return {}
     rng = random.Random(seed)
-    rates = sorted({p.rate for c in curves.values() for p in c})
+    sizes: dict[float, set[int]] = {}
+    for c in curves.values():
+        for p in c:
+            sizes.setdefault(p.rate, set()).add(len(p.samples))
+    paired = {r: next(iter(ns)) for r, ns in sorted(sizes.items()) if len(ns) == 1}  # rate -> requests
     vals: dict[str, list[float]] = {k: [] for k in TARGETS if k != "hit_tokens_vs_oracle"}
     lower = dict.fromkeys(vals, 0)
     for _ in range(replicates):
-        picks = {}
-        for r in rates:
-            sizes = {len(p.samples) for c in curves.values() for p in c if p.rate == r}
-            if len(sizes) == 1:
-                n = sizes.pop()
-                picks[r] = [rng.randrange(n) for _ in range(n)]
+        picks = {r: [rng.randrange(n) for _ in range(n)] for r, n in paired.items()}
         rc = {name: [resampled(p, picks.get(p.rate) or [rng.randrange(len(p.samples)) for _ in p.samples])
                      for p in c] for name, c in curves.items()}
         rs = issue_ratios(rc)
@@ -169,7 +168,7 @@ def bootstrap(curves: dict[str, list[Point]], replicates: int = REPLICATES, seed
             if v is not None:
                 vals[key].append(v)
             lower[key] += bool(eq and eq.get("lower_bound"))
-    out: dict = {"replicates": replicates, "paired_stages": sum(1 for r in rates if r in picks)}
+    out: dict = {"replicates": replicates, "paired_stages": len(paired)}
     for key, xs in vals.items():
         if not xs:
             continue

@@ -183,12 +183,7 @@ class CostAwareRouter:
                                cached_tokens=cached, placement=placed.kind)
         pulls = []
         if chosen.pulls:  # recomputing the pulled tokens: its prefill without the pulls less with them
-            if chosen.own_prefill_s > 0:
-                recompute = chosen.own_prefill_s - chosen.prefill_s
-            else:  # a candidate without the estimate: this option's prefill per computed token
-                computed = max(1, len(request.prompt_ids) - chosen.cached_tokens)
-                recompute = chosen.prefill_s / computed * chosen.pulled_tokens
-            deadline = pull_deadline_s(chosen.pull_s, recompute)
+            deadline = pull_deadline_s(chosen.pull_s, chosen.own_prefill_s - chosen.prefill_s)
             if chosen.exposed_pull_s < chosen.pull_s:  # it transfers while queued: the wait costs it nothing
                 deadline = max(deadline, chosen.wait_s)
         for r in chosen.pulls:
