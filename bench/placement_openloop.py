@@ -61,6 +61,7 @@ from bench.loadgen import percentile  # noqa: E402
 from bench.placement_sim import _Affinity, baseline_route  # noqa: E402
 from bench.workloads import Oracle, Vocab, WorkItem, multi_turn, shared_prefix  # noqa: E402
 from engine.block_pool import BlockPool, extra_key, hash_blocks, prompt_chains  # noqa: E402
+from policies.eviction import TenantEvictionPolicy  # noqa: E402
 from policies.placement import Placer, PlacementConfig  # noqa: E402
 from policies.routing import CostConfig, CostModel, WorkerLoad  # noqa: E402
 
@@ -85,6 +86,8 @@ class OpenConfig:
     rtt_s: float = 1e-3
     seed: int = 0
     speed_jitter: float = 0.0  # worker k's steps take (1 + u_k) x as long, u_k uniform in [-jitter, +jitter]
+    cache_protect_s: float = 60.0  # the engines' eviction (EngineConfig.cache_protect_s, cache_seed_s)
+    cache_seed_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -208,7 +211,9 @@ class _Worker:
     def __init__(self, wid: str, cfg: OpenConfig, bandwidth: float):
         self.wid, self.cfg, self.bandwidth = wid, cfg, bandwidth
         self.now = 0.0
-        self.pool = BlockPool(cfg.capacity_blocks, cfg.block_size, clock=lambda: self.now)
+        self.pool = BlockPool(cfg.capacity_blocks, cfg.block_size,
+                              TenantEvictionPolicy(protect_s=cfg.cache_protect_s, seed_s=cfg.cache_seed_s),
+                              clock=lambda: self.now)
         self.waiting: deque[_Req] = deque()
         self.prefilling: list[_Req] = []
         self.decoding: list[_Req] = []
@@ -481,7 +486,8 @@ def _stage_figures(st: Stage, reqs: list[_Req], t0: float, drained: float, oracl
 
 # -- the sweep ---------------------------------------------------------------------------------
 BASELINE_REV = "76dceb6"  # main before this sweep's rule: its Placer is the "legacy" variant
-# name -> (PlacementConfig fields, decode_step_s, placer: "new" | "legacy" | a git revision)
+# name -> (PlacementConfig fields, decode_step_s, placer: "new" | "legacy" | a git revision); a field
+# of OpenConfig (the engines' eviction) among the fields sets the workers' instead
 VARIANTS: dict[str, tuple[dict, float, str]] = {
     "legacy": ({}, 0.0, "legacy"),  # the defaults the cluster bench ran (p(reuse) 1, lexicographic place)
     "default": ({}, 0.0, "new"),  # this module's defaults: p(reuse) 1, victims held elsewhere not charged
@@ -533,6 +539,8 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "share margin -0.5": ({"spill_share_margin": -0.5}, 0.0, "new"),
     "no fill guard": ({"prefix_fill": 1.0}, 0.0, "new"),  # before session 24: a pool may fill with prefixes
     "fill 0.8": ({"prefix_fill": 0.8}, 0.0, "new"),
+    "seed 0": ({"cache_seed_s": 0.0}, 0.0, "new"),  # the engines before session 30: a new chain is plain LRU
+    "plain LRU": ({"cache_seed_s": 0.0, "cache_protect_s": 0.0}, 0.0, "new"),
 }
 
 
@@ -549,11 +557,13 @@ def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _ca
         _cache[rev] = legacy_placer(rev)
     placer_cls = _cache[rev] if rev is not None else Placer
     legacy_cfg = sys.modules[placer_cls.__module__].PlacementConfig if rev is not None else PlacementConfig
+    engines = {k: v for k, v in fields.items() if k in OpenConfig.__dataclass_fields__}
+    fields = {k: v for k, v in fields.items() if k not in engines}
     rows = []
     for seed in seeds:
         run = stages(rates or (0.4, 0.7, 1.0, 1.3), stage_s=stage_s, seed=seed, hot=hot, steady=steady,
                      warmup_stages=warmup_stages, order=order, chat=chat, then_hot=then_hot)
-        res = simulate(run, router, replace(cfg, seed=seed), legacy_cfg(**fields),
+        res = simulate(run, router, replace(cfg, seed=seed, **engines), legacy_cfg(**fields),
                        decode_s, placer_cls, learn_decode=learn)
         rows.append({"seed": seed, **res})
     return rows

@@ -136,6 +136,10 @@ class AppSettings:
     # a prefix block reused within this many seconds is evicted after requests' unshared tails
     # (EngineConfig.cache_protect_s, policies/eviction.py); 0: plain LRU
     cache_protect_s: float = 60.0
+    # a new chain's blocks (a new group's first prompt) released within this many seconds are
+    # evicted after tails too, while new chains have been reused more than tails
+    # (EngineConfig.cache_seed_s, policies/eviction.py); 0: plain LRU for them
+    cache_seed_s: float = 120.0
     # when another tenant's request may use a worker assigned to a tenant (WorkerPool.lendable):
     # "unqueued" (no request waits there for its first token), "idle" (nothing in flight: before
     # session 22), "never" (an assignment fences the others out)
@@ -162,8 +166,8 @@ class AppSettings:
             raise ValueError("reject_delay_s and reject_delay_max_held must be >= 0")
         if self.low_priority_prefill_tokens < 1:
             raise ValueError("low_priority_prefill_tokens must be >= 1")
-        if self.cache_protect_s < 0:
-            raise ValueError("cache_protect_s must be >= 0 (0: plain LRU)")
+        if self.cache_protect_s < 0 or self.cache_seed_s < 0:
+            raise ValueError("cache_protect_s and cache_seed_s must be >= 0 (0: plain LRU)")
         if self.import_hold_s < 0:
             raise ValueError("import_hold_s must be >= 0 (0: pulled KV is not held)")
         if self.router_prefix_fill is not None and not 0 < self.router_prefix_fill <= 1:
@@ -221,7 +225,7 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                           low_priority_prefill_tokens=s.low_priority_prefill_tokens,
                           guarded_steps_alone=s.guarded_steps_alone, interrupt_for_guarded=s.interrupt_for_guarded,
                           join_inflight_prefill=s.join_inflight_prefill, import_hold_s=s.import_hold_s,
-                          cache_protect_s=s.cache_protect_s, approx=ApproxConfig(tenant_gates=tenants.quality_gates()))
+                          cache_protect_s=s.cache_protect_s, cache_seed_s=s.cache_seed_s, approx=ApproxConfig(tenant_gates=tenants.quality_gates()))
     return PoolConfig(engine=engine, autoscale=s.autoscale(), shares=tuple(sorted(tenants.worker_shares().items())),
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,
                       auto_device=s.device is None, auto_dtype=s.dtype is None, ready_timeout_s=s.ready_timeout_s,

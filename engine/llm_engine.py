@@ -63,6 +63,10 @@ class EngineConfig:
     # tenant's blocks never hit (requests' unshared tails and outputs); 0: plain LRU
     # (policies/eviction.py, bench/eviction_scan.py)
     cache_protect_s: float = 60.0
+    # a new chain's blocks (a prompt whose first block nobody had cached: a new group's first
+    # prompt) released less than this long ago are evicted after the tenant's tails too, while its
+    # new chains have been reused more than its tails (policies/eviction.py); 0: plain LRU for them
+    cache_seed_s: float = 120.0
     low_priority_prefill_tokens: int = 32  # prefill chunk cap of a tenant below a contending priority
     priority_hold_s: float = 2.0  # a priority class contends this long after its last prefill work
     alternate_low_prefill: bool = True  # see engine/scheduler.py: a higher-priority step after a lower one is alone
@@ -121,7 +125,8 @@ class LLMEngine:
                                  num_blocks * config.block_size)
         self.cache = PagedKVCache(mcfg.num_hidden_layers, num_blocks, config.block_size,
                                   mcfg.num_key_value_heads, head_dim, dtype, config.device)
-        self.pool = BlockPool(num_blocks, config.block_size, TenantEvictionPolicy(config.tenant_quotas, protect_s=config.cache_protect_s))
+        eviction = TenantEvictionPolicy(config.tenant_quotas, protect_s=config.cache_protect_s, seed_s=config.cache_seed_s)
+        self.pool = BlockPool(num_blocks, config.block_size, eviction)
         self.kv = KVManager(self.pool, self.loaded.model_id, config.enable_prefix_caching)
         self.holds = ImportHolds(self.pool, config.import_hold_s)  # pulled KV kept for its request
         self.scheduler = Scheduler(SchedulerConfig(

@@ -22,8 +22,17 @@ one): a block never hit, cached as the continuation of a reused block or of anot
 request's question and answer after a shared prefix, which nobody asks for again). Plain LRU let
 each finished request's tail push out the deepest blocks of the oldest shared prefix whenever the
 prefixes fill the pool (measured in ``bench/eviction_scan.py``). A new chain (a prefix nobody
-reused yet) is no tail and keeps plain LRU order, so new groups are not locked out by reused
-ones; a reused block released ``protect_s`` ago or more is plain LRU again.
+reused yet) is no tail and keeps plain LRU order against reused blocks, so new groups are not
+locked out by reused ones; a reused block released ``protect_s`` ago or more is plain LRU again.
+A new chain's blocks (*seeded*: never hit, of a chain whose first block nobody had cached: a new
+group's first prompt, or a one-off prompt) released less than ``seed_s`` ago are passed over for
+tails the same way, while the tenant's seeded blocks have been reused more often than its tails
+(``reuse_rates``: per block, of those hit or dropped since, recent ones weighing most). A group's
+first prompt is its prefix's only copy until a second prompt asks for it; plain LRU evicted it as
+the oldest block before the newer tails of the worker's other groups, and the group's next prompt,
+100 s later, recomputed 552 tokens behind a queue (the cluster bench, sessions 28-29). Where
+tails are reused more (a chat's history before its next turn) or seeded blocks are not (one-off
+prompts), seeded blocks keep plain LRU order.
 Blocks of other tenants at or below their minimum are never victims for someone else, with one
 exception the caller must ask for: ``last_resort=True`` adds
   5. any evictable block, lowest priority class first, LRU within it, ignoring minimums.
@@ -72,16 +81,20 @@ class TenantEvictionPolicy:
     """
 
     def __init__(self, quotas: dict[TenantId, TenantQuota] | None = None, default: TenantQuota | None = None,
-                 protect_s: float = 60.0):
-        if protect_s < 0:
-            raise ValueError("protect_s must be >= 0")
+                 protect_s: float = 60.0, seed_s: float = 120.0):
+        if protect_s < 0 or seed_s < 0:
+            raise ValueError("protect_s and seed_s must be >= 0")
         self._quotas = dict(quotas or {})
         self._default = default or TenantQuota()
-        self.protect_s = protect_s  # 0: plain LRU (see the module docstring)
+        self.protect_s = protect_s  # 0: reused blocks keep plain LRU order (see the module docstring)
+        self.seed_s = seed_s  # 0: seeded blocks keep plain LRU order
         self._lru: dict[TenantId, OrderedDict[BlockId, float]] = {}
         self._tails: dict[TenantId, OrderedDict[BlockId, None]] = {}  # evictable tail blocks
         self._hit: set[BlockId] = set()  # cached blocks hit since they were cached
         self._tail: set[BlockId] = set()  # cached blocks never hit that continue a reused block or a tail
+        self._seeded: set[BlockId] = set()  # cached blocks never hit of a chain nobody hit (the rest)
+        # per tenant, of its tail and seeded blocks: [reused, dropped unused], decayed (``_count``)
+        self._outcomes: dict[TenantId, dict[str, list[float]]] = {}
         self._owner: dict[BlockId, TenantId] = {}
         self.held: dict[TenantId, int] = {}
 
@@ -103,6 +116,8 @@ class TenantEvictionPolicy:
         self._owner[block] = tenant
         if parent is not None and (parent in self._hit or parent in self._tail):
             self._tail.add(block)
+        else:
+            self._seeded.add(block)
         self.held[tenant] = self.held.get(tenant, 0) + 1
 
     def on_released(self, block: BlockId, now: float) -> None:
@@ -115,8 +130,8 @@ class TenantEvictionPolicy:
     def on_hit(self, block: BlockId) -> None:
         """A request reuses a cached block (a prefix-cache hit); it is in use (an evictable one was
         ``on_acquired`` first), so it is in no evictable list."""
+        self._resolve(block, reused=True)
         self._hit.add(block)
-        self._tail.discard(block)
 
     def on_acquired(self, block: BlockId) -> None:
         """A cached, evictable block is in use again (a hit, or the pool taking it back)."""
@@ -124,11 +139,34 @@ class TenantEvictionPolicy:
 
     def on_dropped(self, block: BlockId) -> None:
         """A cached block lost its hash (evicted or reset); it must not be in use."""
+        self._resolve(block, reused=False)
         tenant = self._owner.pop(block)
         self._unlist(tenant, block)
         self._hit.discard(block)
-        self._tail.discard(block)
         self.held[tenant] -= 1
+
+    _DECAY_AT = 1024.0  # outcomes counted per tenant and kind before both counts are halved
+
+    def _resolve(self, block: BlockId, reused: bool) -> None:
+        """A tail or seeded block is hit for the first time, or dropped never hit: count it."""
+        for kind, blocks in (("tail", self._tail), ("seed", self._seeded)):
+            if block in blocks:
+                blocks.discard(block)
+                counts = self._outcomes.setdefault(self._owner[block], {}).setdefault(kind, [0.0, 0.0])
+                counts[0 if reused else 1] += 1
+                if counts[0] + counts[1] > self._DECAY_AT:
+                    counts[0] /= 2
+                    counts[1] /= 2
+                return
+
+    def reuse_rates(self, tenant: TenantId) -> dict[str, float]:
+        """Share of ``tenant``'s tail and of its seeded blocks that were hit before being dropped
+        (add-one smoothed: 0.5 before any outcome)."""
+        out = {}
+        for kind in ("tail", "seed"):
+            reused, dropped = self._outcomes.get(tenant, {}).get(kind, (0.0, 0.0))
+            out[kind] = (reused + 1) / (reused + dropped + 2)
+        return out
 
     def _unlist(self, tenant: TenantId, block: BlockId) -> None:
         for lists in (self._lru, self._tails):
@@ -231,16 +269,26 @@ class TenantEvictionPolicy:
 
     def _take(self, tenant: TenantId, now: float | None) -> BlockId:
         """Remove and return ``tenant``'s victim: its least recently released block, unless that
-        one is reused and released under ``protect_s`` before ``now`` while a tail block is
-        evictable (the oldest tail then). ``now`` None: plain LRU (expiry is by age alone)."""
+        one is protected while a tail block is evictable (the oldest tail then): reused and
+        released under ``protect_s`` before ``now``, or seeded and released under ``seed_s``
+        before it while the tenant's seeded blocks are reused more than its tails. ``now`` None:
+        plain LRU (expiry is by age alone)."""
         lru = self._lru[tenant]
         block, released = next(iter(lru.items()))
-        if now is not None and self.protect_s > 0 and block in self._hit and now - released < self.protect_s:
+        if now is not None and self._protected(tenant, block, now - released):
             tails = self._tails.get(tenant)
             if tails:
                 block = next(iter(tails))
         self._unlist(tenant, block)
         return block
+
+    def _protected(self, tenant: TenantId, block: BlockId, age_s: float) -> bool:
+        if block in self._hit:
+            return age_s < self.protect_s
+        if block in self._seeded and age_s < self.seed_s:
+            rates = self.reuse_rates(tenant)
+            return rates["seed"] > rates["tail"]
+        return False
 
     def _pop_lowest(self, now: float, honour_minimums: bool) -> BlockId | None:
         """Oldest evictable block of the lowest priority class (among tenants above their minimum)."""

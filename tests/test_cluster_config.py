@@ -35,6 +35,7 @@ def test_unknown_app_args_are_rejected():
                                          ({"reject_delay_max_held": -1}, "reject_delay"),
                                          ({"low_priority_prefill_tokens": 0}, "low_priority_prefill_tokens"),
                                          ({"cache_protect_s": -1}, "cache_protect_s"),
+                                         ({"cache_seed_s": -1}, "cache_seed_s"),
                                          ({"import_hold_s": -1}, "import_hold_s")])
 def test_flood_knobs_are_checked_when_the_app_is_built(args, words):
     from cluster.app import AppSettings, pool_config
@@ -49,10 +50,10 @@ def test_flood_knobs_are_checked_when_the_app_is_built(args, words):
     e = pool_config(AppSettings.from_args({"guarded_steps_alone": False, "interrupt_for_guarded": False}),
                     Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})).engine
     assert (e.guarded_steps_alone, e.interrupt_for_guarded) == (False, False)
-    assert e.cache_protect_s == 60.0  # default: tails before reused prefixes
-    e = pool_config(AppSettings.from_args({"cache_protect_s": 0}),
+    assert (e.cache_protect_s, e.cache_seed_s) == (60.0, 120.0)  # default: tails before prefixes
+    e = pool_config(AppSettings.from_args({"cache_protect_s": 0, "cache_seed_s": 0}),
                     Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})).engine
-    assert e.cache_protect_s == 0  # plain LRU reaches the workers' engines
+    assert (e.cache_protect_s, e.cache_seed_s) == (0, 0)  # plain LRU reaches the workers' engines
 
 
 def test_the_routers_decode_learning_is_an_app_argument_that_reaches_the_pool():

@@ -245,11 +245,65 @@ def test_a_new_chain_is_no_tail_and_a_hit_tail_is_a_prefix():
     assert drain(p, "a", now=10.0) == [2, 1, 0]
 
 
+def _new_group_behind_a_reused_one(p, one_offs=0):
+    """``one_offs`` one-off prompts computed and dropped; group A computed and reused; group B's
+    first prompt (20-21, its prefix's only copy); a request on A with a question (tails 2-3)."""
+    for i in range(one_offs):
+        _request(p, [30 + i], [], released=0.0, hit=False)
+    assert drain(p, "a", now=0.0) == list(range(30, 30 + one_offs))
+    _request(p, [0, 1], [], released=0.0, hit=False)
+    _request(p, [0, 1], [], released=1.0)
+    _request(p, [20, 21], [], released=2.0, hit=False)
+    _request(p, [0, 1], [2, 3], released=5.0)
+    return p
+
+
+def test_a_new_groups_first_prompt_goes_after_tails_while_new_chains_are_reused_more():
+    # A's first prompt was reused (new chains: 2 of 2 blocks reused), no tail was yet: B's first
+    # prompt, the oldest block, outlives the tails (plain LRU took it first: sessions 28-29)
+    p = _new_group_behind_a_reused_one(TenantEvictionPolicy(protect_s=60.0, seed_s=120.0))
+    assert p.reuse_rates("a") == {"tail": 0.5, "seed": 0.75}
+    assert drain(p, "a", now=10.0) == [3, 2, 21, 20, 1, 0]
+    # the rule is off at seed_s 0, and a new chain released seed_s ago is plain LRU again
+    assert drain(_new_group_behind_a_reused_one(TenantEvictionPolicy(seed_s=0.0)), "a", now=10.0) == [21, 20, 3, 2, 1, 0]
+    assert drain(_new_group_behind_a_reused_one(TenantEvictionPolicy(seed_s=120.0)), "a", now=125.0) == [21, 20, 3, 2, 1, 0]
+
+
+def test_new_chains_keep_lru_order_where_they_are_reused_less_than_tails():
+    # four one-off prompts dropped unused: new chains are reused 2 of 6 times, less than tails'
+    # prior, so B's first prompt is one more prompt nobody may ask for again
+    p = _new_group_behind_a_reused_one(TenantEvictionPolicy(seed_s=120.0), one_offs=4)
+    assert p.reuse_rates("a")["seed"] == 3 / 8
+    assert drain(p, "a", now=10.0) == [21, 20, 3, 2, 1, 0]
+    # a chat: histories (tails) reused at each next turn, more than new chains
+    p = TenantEvictionPolicy(seed_s=120.0)
+    _request(p, [0], [], released=0.0, hit=False)
+    for turn in range(1, 5):
+        _request(p, list(range(turn)), [turn], released=float(turn))  # the history + one block
+    assert p.reuse_rates("a") == {"tail": 4 / 5, "seed": 2 / 3}
+
+
+def test_reuse_outcomes_are_counted_per_tenant_and_decay():
+    p = TenantEvictionPolicy()
+    p.on_cached(0, "a"), p.on_cached(1, "b")
+    p.on_hit(0)  # block 0 is in use: a concurrent request reuses it
+    p.on_released(1, 0.0), p.on_acquired(1), p.on_released(1, 0.0)
+    assert p.pop_victim("b", now=0.0) == 1
+    p.on_dropped(1)
+    assert p.reuse_rates("a")["seed"] == 2 / 3 and p.reuse_rates("b")["seed"] == 1 / 3
+    assert p.reuse_rates("c") == {"tail": 0.5, "seed": 0.5}
+    for i in range(2, 2000):  # a long run of new chains dropped: the early reuse fades, counts stay bounded
+        p.on_cached(i, "a"), p.on_released(i, 0.0)
+        assert p.pop_victim("a", now=0.0) == i
+        p.on_dropped(i)
+    assert p.reuse_rates("a")["seed"] < 0.01 and sum(p._outcomes["a"]["seed"]) <= p._DECAY_AT
+
+
 def test_tail_state_is_forgotten_with_the_block():
     p = _two_groups(60.0)
     assert p.tail_ids() == {12, 13}
     assert drain(p, "a", now=10.0)[:2] == [13, 12]
-    assert p.tail_ids() == set() and not p._hit and not p._tail
+    assert p.tail_ids() == set() and not p._hit and not p._tail and not p._seeded
 
 
 def test_a_tail_hit_while_still_in_use_becomes_a_prefix():
@@ -261,3 +315,19 @@ def test_a_tail_hit_while_still_in_use_becomes_a_prefix():
     p.on_hit(1)
     p.on_released(1, 1.0), p.on_released(0, 1.0)
     assert p.tail_ids() == set() and drain(p, "a", now=5.0) == [1, 0]
+
+
+@pytest.mark.parametrize("seed_s, kept", [(120.0, True), (0.0, False)])
+def test_a_cold_groups_prefix_outlives_the_hot_groups_tails_in_the_engine(seed_s, kept):
+    # the real engine (tiny random Llama): two hot groups reused, a cold group's first prompt, then
+    # 40 s of hot requests whose questions and answers overflow the pool; the cold group's second
+    # prompt finds its prefix only if new chains go after tails (bench/eviction_scan.py, "cold")
+    from types import SimpleNamespace
+
+    from bench.eviction_scan import Policy, run_cold
+
+    a = SimpleNamespace(groups=2, system_len=128, question_len=40, output_len=4, concurrency=2,
+                        step_s=0.4, cold_gap_s=40.0)
+    r = run_cold(Policy("p", 60.0, seed_s), 0.75, a, seed=0)
+    assert r["evictions"] > 0  # the pool was full: tails had to go, or the prefix
+    assert r["cold_cached_tokens"] == (128 if kept else 0)
