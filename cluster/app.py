@@ -134,7 +134,7 @@ class AppSettings:
     # --kvmesh-args); the defaults are the measured ones
     router_placement: dict | None = None
     # a prefix block reused within this many seconds is evicted after requests' unshared tails
-    # (EngineConfig.cache_protect_s, policies/eviction.py); 0: plain LRU
+    # (EngineConfig.cache_protect_s, policies/eviction.py); 0: plain LRU for them
     cache_protect_s: float = 60.0
     # a new chain's blocks (a new group's first prompt) released within this many seconds are
     # evicted after tails too, while new chains have been reused more than tails

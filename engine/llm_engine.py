@@ -60,7 +60,7 @@ class EngineConfig:
     num_threads: int | None = None
     tenant_quotas: dict[str, TenantQuota] = field(default_factory=dict)
     # a reused (hit) prefix block released less than this long ago is evicted only after the
-    # tenant's blocks never hit (requests' unshared tails and outputs); 0: plain LRU
+    # tenant's blocks never hit (requests' unshared tails and outputs); 0: plain LRU for them
     # (policies/eviction.py, bench/eviction_scan.py)
     cache_protect_s: float = 60.0
     # a new chain's blocks (a prompt whose first block nobody had cached: a new group's first

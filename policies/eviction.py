@@ -93,7 +93,7 @@ class TenantEvictionPolicy:
         self._hit: set[BlockId] = set()  # cached blocks hit since they were cached
         self._tail: set[BlockId] = set()  # cached blocks never hit that continue a reused block or a tail
         self._seeded: set[BlockId] = set()  # cached blocks never hit of a chain nobody hit (the rest)
-        # per tenant, of its tail and seeded blocks: [reused, dropped unused], decayed (``_count``)
+        # per tenant, of its tail and seeded blocks: [reused, dropped unused], decayed (``_resolve``)
         self._outcomes: dict[TenantId, dict[str, list[float]]] = {}
         self._owner: dict[BlockId, TenantId] = {}
         self.held: dict[TenantId, int] = {}
