@@ -111,8 +111,7 @@ class Worker:
         the request's slot class is fetched first; any failure leaves the request to run as it
         would have (exactly, unless a local donor fits). A request whose approximate KV came
         from a pulled donor reports route "pulled" with those tokens in ``pulled_tokens``."""
-        if not pulls:
-            await self._join_pull(request)
+        await self._join_pull(request, min((p.start_block for p in pulls), default=None))
         # the request is queued as soon as its pull is planned: it keeps its place in the queue
         # and the transfer overlaps its wait there (the engine admits it once the pull has landed)
         queued, outcomes = asyncio.Event(), []
@@ -388,22 +387,29 @@ class Worker:
         imported = await asyncio.gather(*(one(p, fits) for p, fits in zip(pulls, room)))
         return local, sum(imported)
 
-    async def _join_pull(self, request: Request) -> None:
-        """A request sent here without pulls whose prompt shares at least one of the blocks this
-        worker is pulling for an earlier request waits for that pull to end (the router counts
-        a routed prefix as held at once, so a group's next request follows the first): admitted
-        now, it would compute those blocks again (the cluster bench, session 17: two requests of
-        one group 0.35 s apart, the second recomputed). Sharing only blocks held here before the
-        pull is no reason to wait (the cluster bench, session 28: chat turns sharing a system
-        prompt held here waited 2-5 s for another session's pull of its history). Only its own or
-        granted domains' pulls (another tenant's would be a timing side channel); a pull ends by
-        its own deadline."""
+    async def _join_pull(self, request: Request, pulls_from_block: int | None = None) -> None:
+        """A request sent here whose prompt shares at least one of the blocks this worker is
+        pulling for an earlier request, and that expects to find them here, waits for that pull
+        to end (the router counts a routed prefix as held at once, so a group's next request
+        follows the first): admitted now, it would compute those blocks again (the cluster bench,
+        session 17: two requests of one group 0.35 s apart, the second recomputed). A request
+        with pulls of its own from block ``pulls_from_block`` on expects the blocks before it
+        here, so it waits for a pull that brings any of those (session 30: a hot group's second
+        request, routed to a worker whose copy of the prefix was still arriving, pulled only
+        its own last blocks; that pull timed out behind the first one on the slow link, and it
+        computed all 552 tokens while the first waited for its pull: 5.1 and 6.0 s). Sharing only
+        blocks held here before the pull is no reason to wait (the cluster bench, session 28:
+        chat turns sharing a system prompt held here waited 2-5 s for another session's pull of
+        its history). Only its own or granted domains' pulls (another tenant's would be a timing
+        side channel); a pull ends by its own deadline."""
         if not self._pulling or request.reuse == "none":
             return
         domains = {request.domain, *request.read_domains}
         prompt, bs = request.prompt_ids, self.config.block_size
+        before = None if pulls_from_block is None else pulls_from_block * bs
         waits = [ev for d, toks, first, ev in self._pulling
-                 if d in domains and len(os.path.commonprefix([tuple(prompt[:len(toks)]), toks])) >= first + bs]
+                 if d in domains and (before is None or first < before)
+                 and len(os.path.commonprefix([tuple(prompt[:len(toks)]), toks])) >= first + bs]
         if not waits:
             return
         self.pull_stats["joined"] += 1

@@ -184,9 +184,17 @@ async def test_a_pull_is_joinable_while_its_plan_waits_for_a_busy_engine():
     sharing_pulled = asyncio.create_task(w._join_pull(Request("f", PREFIX[:3 * bs] + (7,) * 40, GREEDY, tenant="t1")))
     await asyncio.sleep(0.05)
     assert sharing_held.done() and not sharing_pulled.done() and w.pull_stats["joined"] == 2
+    # a request with pulls of its own: one from block 3 expects block 2 here, which the pull in
+    # flight brings, so it waits (session 30: it ran with nothing cached while the first still
+    # waited for its pull); one pulling from block 2 on brings its own and goes ahead
+    own_from_3 = asyncio.create_task(w._join_pull(Request("g", PREFIX[:4 * bs] + (7,) * 8, GREEDY, tenant="t1"), 3))
+    own_from_2 = asyncio.create_task(w._join_pull(Request("h", PREFIX[:4 * bs] + (7,) * 8, GREEDY, tenant="t1"), 2))
+    await asyncio.sleep(0.05)
+    assert own_from_2.done() and not own_from_3.done() and w.pull_stats["joined"] == 3
     engine_busy.set()
     assert await deeper == (0, 0)
     await asyncio.wait_for(sharing_pulled, 5)
+    await asyncio.wait_for(own_from_3, 5)
 
 
 @pytest.mark.ray
