@@ -162,11 +162,11 @@ class TenantEvictionPolicy:
     def reuse_rates(self, tenant: TenantId) -> dict[str, float]:
         """Share of ``tenant``'s tail and of its seeded blocks that were hit before being dropped
         (add-one smoothed: 0.5 before any outcome)."""
-        out = {}
-        for kind in ("tail", "seed"):
-            reused, dropped = self._outcomes.get(tenant, {}).get(kind, (0.0, 0.0))
-            out[kind] = (reused + 1) / (reused + dropped + 2)
-        return out
+        return {kind: self._reuse_rate(tenant, kind) for kind in ("tail", "seed")}
+
+    def _reuse_rate(self, tenant: TenantId, kind: str) -> float:
+        reused, dropped = self._outcomes.get(tenant, {}).get(kind, (0.0, 0.0))
+        return (reused + 1) / (reused + dropped + 2)
 
     def _unlist(self, tenant: TenantId, block: BlockId) -> None:
         for lists in (self._lru, self._tails):
@@ -286,8 +286,7 @@ class TenantEvictionPolicy:
         if block in self._hit:
             return age_s < self.protect_s
         if block in self._seeded and age_s < self.seed_s:
-            rates = self.reuse_rates(tenant)
-            return rates["seed"] > rates["tail"]
+            return self._reuse_rate(tenant, "seed") > self._reuse_rate(tenant, "tail")
         return False
 
     def _pop_lowest(self, now: float, honour_minimums: bool) -> BlockId | None:
