@@ -55,6 +55,7 @@ import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from typing import Sequence
 
 import yaml
 
@@ -397,6 +398,13 @@ def parse_args(argv=None):
                     help="fresh: one inference-perf run per rate, each with new groups (every stage starts cold); "
                          "steady: one inference-perf run over all rates (after a warm-up stage) and one set of "
                          "groups, as inference-perf sweeps: system prompts stay in use across stages")
+    ap.add_argument("--extend-rates", default=None,
+                    help="steady sweep: higher shared-prefix rates (req/s, comma separated) a configuration goes "
+                         "on at, one stage each, while its highest stage so far has not saturated (p99 TTFT below "
+                         "--extend-below-p99), so that throughput at equal p99 is read where the configurations "
+                         "saturate rather than as a lower bound (default 3; --quick and paired runs: none; '': none)")
+    ap.add_argument("--extend-below-p99", type=float, default=report.EXTEND_BELOW_P99_S,
+                    help="p99 TTFT (s) at which a configuration's sweep counts as saturated and stops extending")
     ap.add_argument("--warmup-max-s", type=int, default=None,
                     help="steady sweep: the warm-up stage lasts until every group has been sent once (from "
                          "inference-perf's own prompt order, bench/ipperf_groups.py), at least one stage and at "
@@ -425,6 +433,8 @@ def parse_args(argv=None):
     a.warmup_max_s = 4 * a.stage_s if a.warmup_max_s is None else a.warmup_max_s
     a.groups = a.groups or (8 if a.quick else 12)
     a.users = a.users or max(4, int(max(a.rates, default=0) * a.stage_s / a.groups) + 1)
+    ext = ("" if a.quick or a.barrier else "3") if a.extend_rates is None else a.extend_rates
+    a.extend_rates = [float(x) for x in ext.split(",") if x]
     hot = ("" if a.quick else "0.7,1.3") if a.hot_rates is None else a.hot_rates
     a.hot_rates = [float(x) for x in hot.split(",") if x]
     a.configs = [c for c in a.configs.split(",") if c]
@@ -598,11 +608,13 @@ def run_config(cl: Cluster, name: str, args, exe, mdir, tok, kv_bytes, others, g
             for key, hot, rates in (("shared_prefix", False, args.rates), ("hot_prefix", True, args.hot_rates)):
                 if rates:
                     barrier.meet(key, name, log)
-                    stages = shared_prefix_steady(cl, name, args, exe, mdir, tok, rates, log, hot=hot)
+                    stages = shared_prefix_steady(cl, name, args, exe, mdir, tok, rates, log, hot=hot,
+                                                  extend=() if hot else args.extend_rates)
                     res[f"{key}_warmup"], res[key] = stages[0], stages[1:]
                     if name.startswith("kvmesh"):  # its placement log: how the groups came to be split so
                         res[f"{key}_router_estimates"] = router_estimates(cl)
-                    bar.update(len(rates))
+                    bar.total += len(stages) - 1 - len(rates)  # the stages the sweep went on at
+                    bar.update(len(stages) - 1)
                     write(doc, Path(args.out))
             m0 = parse_prometheus(cl.get("/metrics")[1])
         elif not approx_only:
@@ -856,14 +868,21 @@ def warmup_stage(spec: ipperf.SharedPrefixSpec, rate: float, stage_s: int, max_s
 
 
 def shared_prefix_steady(cl: Cluster, name: str, args, exe, mdir, tok, rates: list[float], log,
-                         hot: bool = False) -> list[dict]:
+                         hot: bool = False, extend: Sequence[float] = ()) -> list[dict]:
     """The shared-prefix sweep as inference-perf runs one: a single run whose load stages are a
     warm-up at the first rate and then ``rates``, over ONE set of groups (its data generator
-    walks one prompt list through all stages), so system prompts stay in use from stage to stage
-    as an application's do. Enough users per group that no prompt repeats. Per stage (warm-up
-    first): the same figures as ``shared_prefix_rate``, hit tokens against one infinite cache
-    over the whole run (a group warmed in an earlier stage is a hit for the oracle too), CPU and
-    routing decisions from a ``Sampler`` cut at the stage's wall-clock window."""
+    builds one prompt list and every stage walks it from its start), so system prompts stay in
+    use from stage to stage as an application's do. Per stage (warm-up first): the same figures
+    as ``shared_prefix_rate``, hit tokens against one infinite cache over the whole run (a group
+    warmed in an earlier stage is a hit for the oracle too), CPU and routing decisions from a
+    ``Sampler`` cut at the stage's wall-clock window.
+
+    ``extend``: higher rates the sweep goes on at, one at a time, while its highest stage so far
+    has not saturated (``cluster_report.extends``: p99 TTFT below ``--extend-below-p99``). Each is
+    one more inference-perf run of the same data (the same groups and prompts, warm from the
+    run before; a stage of the main run would walk the same prompts from the start too) with
+    the same seeded arrivals for every configuration, so a configuration the default rates
+    leave unsaturated is measured up to where it saturates instead of giving a lower bound."""
     stage_rates = [rates[0], *rates]
     groups = 1 if hot else args.groups
     warm_max = max(args.stage_s, args.warmup_max_s)
@@ -875,53 +894,80 @@ def shared_prefix_steady(cl: Cluster, name: str, args, exe, mdir, tok, rates: li
     d.mkdir(parents=True, exist_ok=True)
     warm_s, cover = warmup_stage(spec, rates[0], args.stage_s, warm_max, exe, d, cl, mdir)
     durations = [warm_s] + [args.stage_s] * len(rates)
-    cfg = ipperf.config(spec, stage_rates, durations, cl.base_url, f"sk-{setup.BENCH_TENANT}", MODEL, str(mdir),
-                        d / "reports")
-    setup.dump_yaml(cfg, d / "inference-perf.yaml")
     log(f"{name}: {'hot' if hot else 'shared'} prefix, one run, warm-up of {warm_s}s ({cover}) + {len(rates)} "
         f"stages of {args.stage_s}s at {', '.join(f'{r:g}' for r in rates)} req/s over {groups} groups "
         f"(inference-perf)")
+    out, prompts = ipperf_stages(cl, name, args, exe, mdir, tok, spec, stage_rates, durations, d, log,
+                                 warmup_cover=cover)
+    for rate in extend:
+        top = stage_point(out[-1]) if out and out[-1].get("ok") else None
+        if top is None or rate <= top.rate or not report.extends(top, args.extend_below_p99):
+            break
+        log(f"{name}: the sweep goes on at {rate:g} req/s (p99 TTFT {top.ttft_p99:.2f} s at {top.rate:g} req/s, "
+            f"below {args.extend_below_p99:g} s)")
+        ext, prompts = ipperf_stages(cl, name, args, exe, mdir, tok, spec, [rate], [args.stage_s],
+                                     d.with_name(f"{d.name}-{rate:g}"), log, prior=prompts, extension=True)
+        out += ext
+    return out
+
+
+def ipperf_stages(cl: Cluster, name: str, args, exe, mdir, tok, spec: ipperf.SharedPrefixSpec,
+                  stage_rates: list[float], durations: list[int], d: Path, log, prior: Sequence[str] = (),
+                  warmup_cover: str | None = None, extension: bool = False) -> tuple[list[dict], list[str]]:
+    """One inference-perf run of ``spec`` at ``stage_rates`` (the first a warm-up unless
+    ``extension``): per stage its figures, and every prompt sent so far (``prior``, the prompts of
+    the runs before on this deployment, then this run's: the oracle's cache has seen them all)."""
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = ipperf.config(spec, stage_rates, durations, cl.base_url, f"sk-{setup.BENCH_TENANT}", MODEL, str(mdir),
+                        d / "reports")
+    setup.dump_yaml(cfg, d / "inference-perf.yaml")
     with Sampler(cl) as sampler:
         rc = ipperf.run(exe, d / "inference-perf.yaml", d / "inference-perf.log",
                         timeout_s=sum(t * 6 + 120 for t in durations) + 300,
                         arrival_seed=spec.seed if args.seeded_arrivals else None)
     per_stage, prompts = ipperf.results(d / "reports", len(stage_rates), relative=False)
     loads = ipperf.load_summaries(d / "reports", len(stage_rates))
-    oracle = workloads.oracle_hits(prompt_items(tok, [p for ps in prompts for p in ps]))
+    sent = [*prior, *(p for ps in prompts for p in ps)]
+    oracle = workloads.oracle_hits(prompt_items(tok, sent))
     # inference-perf stamps requests with time.perf_counter() (CLOCK_MONOTONIC: one clock for every
     # process here); the sampler and the engines' step traces use wall-clock time
     to_wall = time.time() - time.perf_counter()
-    out, k = [], 0
+    out, k = [], len(prior)
     for i, (results, rate) in enumerate(zip(per_stage, stage_rates)):
+        warmup = i == 0 and not extension
         stage_prompts = prompts[i] if i < len(prompts) else []
         stage_oracle, k = oracle[k:k + len(results)], k + len(results)
         if not results:
-            out.append({"rate": rate, "requests": 0, "ok": 0, "warmup": i == 0})
+            out.append({"rate": rate, "requests": 0, "ok": 0, "warmup": warmup, "extension": extension})
             continue
         t0 = min(r.sent_s for r in results) + to_wall
         t1 = max(r.sent_s + (r.latency_s or 0) for r in results) + to_wall
         results = [dataclasses.replace(r, sent_s=r.sent_s + to_wall - t0) for r in results]
-        s = stage_figures(results, stage_oracle, rate, loads[i], args, t1 - t0, warmup=i == 0, inference_perf_rc=rc,
+        s = stage_figures(results, stage_oracle, rate, loads[i], args, t1 - t0, warmup=warmup, inference_perf_rc=rc,
                           run_s=round(t1 - t0, 1), wall_clock=[t0, t1], groups_sent=group_traffic(stage_prompts),
-                          **({"warmup_cover": cover} if i == 0 else {}))
+                          **({"warmup_cover": warmup_cover} if warmup else {}),
+                          **({"extension": True} if extension else {}))
         (_, c0, m0), (_, c1, m1) = sampler.at(t0), sampler.at(t1)
         s.update(cpu=cpu_delta(c0, c1, s["ok"]), kvmesh_metrics=decisions(metrics_delta(m0, m1), m1))
         log_stage(log, name, s)
         out.append(s)
-    return out
+    return out, sent
 
 
 def _f(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def stage_point(s: dict) -> report.Point:
+    """A stage's figures as a point of its configuration's curve."""
+    return report.Point(s["rate"], s["request_throughput"] or 0.0, s["ttft_s"]["p50"] or 0.0, s["ttft_s"]["p90"] or 0.0,
+                        s["ttft_s"]["p99"] or 0.0, s["errors"], s.get("offered_rate"), tuple(s.get("ttft_samples_s") or ()))
+
+
 def curves(doc: dict, key: str = "shared_prefix") -> dict[str, list[report.Point]]:
     out = {}
     for name, res in doc["configs"].items():
-        pts = [report.Point(s["rate"], s["request_throughput"] or 0.0, s["ttft_s"]["p50"] or 0.0,
-                            s["ttft_s"]["p90"] or 0.0, s["ttft_s"]["p99"] or 0.0, s["errors"], s.get("offered_rate"),
-                            tuple(s.get("ttft_samples_s") or ()))
-               for s in res.get(key, []) if s.get("ok")]
+        pts = [stage_point(s) for s in res.get(key, []) if s.get("ok")]
         if pts:
             out[name] = pts
     return out

@@ -734,3 +734,122 @@ def test_paired_run_passes_its_defaults_unless_given_and_merges_one_document(tmp
     s = json.loads((tmp_path / "paired.json").read_text())["summary"]
     assert s["throughput_at_equal_p99_ttft"]["kvmesh_vs_affinity"] > 1.0
     assert s["hit_tokens_vs_oracle"] == {"affinity": 1.0, "kvmesh": 0.95, "oracle": 1.0}
+
+
+def test_a_sweep_goes_on_at_higher_rates_until_it_saturates(tmp_path, monkeypatch):
+    """bench/cluster.shared_prefix_steady with ``extend``: after the main run, each extension rate is
+    one more inference-perf run of the same data (same groups, prompts and seeded arrivals), one
+    stage and no warm-up, while the highest stage so far has a p99 TTFT below the saturation
+    line; the extension's prompts count against an oracle that saw the main run's. A sweep that
+    saturated within the main run is not driven harder."""
+    import argparse
+    import time as _time
+
+    from bench import cluster as cb
+
+    prefix = " ".join(["alpha"] * 40)
+    configs = []
+
+    def fake_run(exe, config_path, log, timeout_s, arrival_seed=None):
+        cfg = yaml.safe_load(Path(config_path).read_text())
+        configs.append({**cfg, "arrival_seed": arrival_seed})
+        out = Path(cfg["storage"]["local_storage"]["path"])
+        out.mkdir(parents=True, exist_ok=True)
+        t_perf = _time.perf_counter()
+        entries, k = [], 0
+        for j, st in enumerate(cfg["load"]["stages"]):  # 2 requests per stage, TTFT 2 s per req/s offered
+            for i in range(2):
+                entries.append({"start_time": t_perf + 0.1 * k, "request": json.dumps({"prompt": f"{prefix} q{i}"}),
+                                "info": {"response_metrics": {"server_usage": {"prompt_tokens": 42, "completion_tokens": 4}}},
+                                "computed_metrics": {"time_to_first_token": 2.0 * st["rate"], "request_latency": 2.0 * st["rate"] + 0.1},
+                                "error": None})
+                k += 1
+            (out / f"stage_{j}_lifecycle_metrics.json").write_text(json.dumps({"load_summary": {"count": 2, "achieved_rate": st["rate"]}}))
+        (out / "per_request_lifecycle_metrics.json").write_text(json.dumps(entries))
+        return 0
+
+    class FakeCluster:
+        out = tmp_path
+        base_url = "http://127.0.0.1:1"
+
+    class FakeSampler:
+        def __init__(self, cl):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def at(self, t):
+            return t, {"worker": t}, {}
+
+    class Tok:
+        def encode(self, text, add_special_tokens=True):
+            return [sum(map(ord, w)) for w in text.split()]
+
+    monkeypatch.setattr(cb.ipperf, "run", fake_run)
+    monkeypatch.setattr(cb, "Sampler", FakeSampler)
+    args = argparse.Namespace(stage_s=10, groups=3, system_len=512, question_len=40, output_len=16, ttft_slo=2.0,
+                              warmup_max_s=0, seeded_arrivals=True, data_seed=0, extend_below_p99=5.0)
+    stages = cb.shared_prefix_steady(FakeCluster(), "kvmesh", args, "exe", "/m", Tok(), [0.5, 1.5], lambda m: None,
+                                     extend=[3.0, 4.0])
+    # 1.5 req/s: p99 3 s, below 5 -> on at 3 req/s: p99 6 s -> saturated, 4 req/s is not run
+    assert [s["rate"] for s in stages] == [0.5, 0.5, 1.5, 3.0] and len(configs) == 2
+    assert [bool(s.get("extension")) for s in stages] == [False, False, False, True]
+    assert [bool(s["warmup"]) for s in stages] == [True, False, False, False]
+    main, ext = configs
+    assert [s["rate"] for s in ext["load"]["stages"]] == [3.0]
+    assert ext["data"] == main["data"] and ext["arrival_seed"] == main["arrival_seed"]  # same prompts, same arrivals
+    assert ext["storage"]["local_storage"]["path"] != main["storage"]["local_storage"]["path"]
+    # its prompts were sent in the main run: the oracle has them cached (whole blocks but the last token)
+    assert stages[3]["hit"]["oracle_cached_tokens"] == 2 * 32
+    assert stages[3]["ttft_samples_s"] == [6.0, 6.0]
+
+    # a sweep already saturated at its top stage (p99 6 s at 3 req/s) runs no extension
+    configs.clear()
+    stages = cb.shared_prefix_steady(FakeCluster(), "pow2", args, "exe", "/m", Tok(), [0.5, 3.0], lambda m: None,
+                                     extend=[4.0])
+    assert [s["rate"] for s in stages] == [0.5, 0.5, 3.0] and len(configs) == 1
+
+
+def test_extends_while_the_top_stage_is_below_the_saturation_line():
+    from bench.cluster_report import EXTEND_BELOW_P99_S, Point, extends
+
+    assert extends(Point(2.0, 1.6, 0.8, 1.5, 2.8))
+    assert not extends(Point(2.0, 0.9, 17.0, 28.0, 35.0))  # pow2 at 2 req/s
+    assert not extends(Point(2.0, 1.6, 0.8, 1.5, 2.8, errors=1))  # a failed request: no harder load
+    assert not extends(Point(2.0, 1.6, 0.8, 1.5, EXTEND_BELOW_P99_S))
+    assert extends(Point(2.0, 1.6, 0.8, 1.5, 6.0), below_p99_s=10.0)
+
+
+def test_extension_args_default_to_one_more_rate_except_quick_and_paired_runs():
+    from bench import cluster as cb
+
+    assert cb.parse_args([]).extend_rates == [3.0]
+    assert cb.parse_args(["--quick"]).extend_rates == []
+    assert cb.parse_args(["--barrier", "/tmp/x:2"]).extend_rates == []
+    assert cb.parse_args(["--extend-rates", "3,4"]).extend_rates == [3.0, 4.0]
+    assert cb.parse_args(["--extend-rates", ""]).extend_rates == []
+
+
+def test_an_extended_curve_is_read_at_the_baselines_saturated_p99_not_as_a_lower_bound():
+    """kvmesh's sweep went on at 3 req/s (its 2 req/s p99 was below the line), affinity's saturated
+    at 2 req/s: the ratio is interpolated on kvmesh's extended curve; the bootstrap resamples the
+    stage only kvmesh ran on its own."""
+    from bench.cluster_report import Point, bootstrap, equal_p99_ratio, highest_common_rate
+
+    s = lambda n, x: tuple([x] * n)  # noqa: E731
+    kv = [Point(0.5, 0.5, 0.5, 0.7, 0.8, samples=s(15, 0.6)), Point(1, 0.9, 0.5, 0.8, 0.9, samples=s(30, 0.6)),
+          Point(2, 1.8, 0.8, 1.5, 2.0, samples=s(60, 2.0)), Point(3, 2.4, 1.5, 7.0, 10.0, samples=s(90, 10.0))]
+    af = [Point(0.5, 0.5, 0.5, 0.7, 0.8, samples=s(15, 0.6)), Point(1, 0.9, 0.5, 0.8, 0.9, samples=s(30, 0.6)),
+          Point(2, 1.5, 2.0, 5.0, 6.0, samples=s(60, 6.0))]
+    eq = equal_p99_ratio(kv, af)
+    assert eq["p99_ttft_s"] == 6.0 and not eq["lower_bound"]
+    assert eq["throughput"] == pytest.approx(1.8 + (6.0 - 2.0) / (10.0 - 2.0) * 0.6)
+    assert eq["ratio"] == pytest.approx(2.1 / 1.5)
+    assert equal_p99_ratio(kv[:3], af)["lower_bound"]  # without the extension: a lower bound
+    assert highest_common_rate({"kvmesh": kv, "affinity": af})[0] == 1  # 3 req/s is no common rate
+    boot = bootstrap({"kvmesh": kv, "affinity": af}, replicates=20)
+    assert boot["paired_stages"] == 4 and boot["kvmesh_vs_affinity"]["lower_bound_share"] == 0.0
