@@ -16,9 +16,11 @@
    default: ONE run whose stages are a warm-up (until every group has been sent once, read from
    inference-perf's own prompt order: ``bench/ipperf_groups.py``, ``--warmup-max-s``) and the
    offered rates, over one set of groups, as
-   inference-perf sweeps and as an application's system prompts stay in use; ``--sweep fresh``:
-   a separate run per rate with new groups each, so every stage starts cold; no prompt repeats
-   in either), then its hot-prefix variant at ``--hot-rates`` (one group: one system prompt
+   inference-perf sweeps and as an application's system prompts stay in use (every stage walks
+   inference-perf's prompt list from its start, so later stages repeat the first prompts); then,
+   while the configuration has not saturated, one more run per ``--extend-rates`` rate
+   (``shared_prefix_steady``); ``--sweep fresh``: a separate run per rate with new groups each,
+   so every stage starts cold), then its hot-prefix variant at ``--hot-rates`` (one group: one system prompt
    shared by every user, as one application sends it; ``summary.hot_prefix``), (b) multi-turn chat,
    the multi-tenant mix (with the template tenant) and the Mooncake-format trace with kvmesh's
    own generator (``bench.loadgen``); ``/metrics`` and ``/kvmesh/workers`` are read after each
