@@ -529,6 +529,36 @@ def test_step_traces_tell_where_a_request_waited(tmp_path):
     assert steps.summarize(steps.read(sorted(tmp_path.glob("*.jsonl"))))["busy_share"] is None
 
 
+class _FakeCluster:
+    """What ``bench/cluster.shared_prefix_steady`` reads of a ``Cluster``: its run directory and URL."""
+
+    def __init__(self, out: Path):
+        self.out, self.base_url = out, "http://127.0.0.1:1"
+
+
+class _FakeSampler:
+    """A ``Sampler`` whose sample at any time t reads CPU seconds = t and local routes = t."""
+
+    def __init__(self, cl):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def at(self, t):
+        return t, {"worker": t}, {'kvmesh_routes_total{route="local",tenant="bench"}': t}
+
+
+class _WordTok:
+    """A tokenizer of one token per word (equal words, equal tokens)."""
+
+    def encode(self, text, add_special_tokens=True):
+        return [sum(map(ord, w)) for w in text.split()]
+
+
 def test_steady_sweep_is_one_inference_perf_run_cut_into_stages(tmp_path, monkeypatch):
     """bench/cluster.shared_prefix_steady with inference-perf and the cluster faked: one run of a
     warm-up plus every rate over one set of groups, cut into stages by inference-perf's per-stage
@@ -562,37 +592,16 @@ def test_steady_sweep_is_one_inference_perf_run_cut_into_stages(tmp_path, monkey
                 json.dumps({"load_summary": {"count": n, "achieved_rate": rate}}))
         return 0
 
-    class FakeCluster:
-        out = tmp_path
-        base_url = "http://127.0.0.1:1"
-
     monkeypatch.setattr(cb.ipperf, "run", fake_run)
-
-    class FakeSampler:  # a sample at any time t: CPU seconds = t, routes = t
-        def __init__(self, cl):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return None
-
-        def at(self, t):
-            return t, {"worker": t}, {'kvmesh_routes_total{route="local",tenant="bench"}': t}
-
-    monkeypatch.setattr(cb, "Sampler", FakeSampler)
-
-    class Tok:
-        def encode(self, text, add_special_tokens=True):
-            return [sum(map(ord, w)) for w in text.split()]
+    monkeypatch.setattr(cb, "Sampler", _FakeSampler)
 
     # inference-perf's prompt order: every group sent by the 7th request -> a 14-s warm-up at 0.5 req/s
     order = [0, 0, 1, 0, 1, 0, 2, 1, 2]
     monkeypatch.setattr(cb.ipperf, "group_order", lambda exe, path: order)
     args = argparse.Namespace(stage_s=10, groups=3, system_len=512, question_len=40, output_len=16, ttft_slo=2.0,
                               warmup_max_s=40, seeded_arrivals=True, data_seed=0)
-    stages = cb.shared_prefix_steady(FakeCluster(), "kvmesh", args, "exe", "/m", Tok(), [0.5, 1.5], lambda m: None)
+    stages = cb.shared_prefix_steady(_FakeCluster(tmp_path), "kvmesh", args, "exe", "/m", _WordTok(), [0.5, 1.5],
+                                     lambda m: None)
     cfg = configs[0]
     assert [s["rate"] for s in cfg["load"]["stages"]] == [0.5, 0.5, 1.5]  # warm-up + each rate, one run
     assert [s["duration"] for s in cfg["load"]["stages"]] == [14, 10, 10]
@@ -768,33 +777,12 @@ def test_a_sweep_goes_on_at_higher_rates_until_it_saturates(tmp_path, monkeypatc
         (out / "per_request_lifecycle_metrics.json").write_text(json.dumps(entries))
         return 0
 
-    class FakeCluster:
-        out = tmp_path
-        base_url = "http://127.0.0.1:1"
-
-    class FakeSampler:
-        def __init__(self, cl):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return None
-
-        def at(self, t):
-            return t, {"worker": t}, {}
-
-    class Tok:
-        def encode(self, text, add_special_tokens=True):
-            return [sum(map(ord, w)) for w in text.split()]
-
     monkeypatch.setattr(cb.ipperf, "run", fake_run)
-    monkeypatch.setattr(cb, "Sampler", FakeSampler)
+    monkeypatch.setattr(cb, "Sampler", _FakeSampler)
     args = argparse.Namespace(stage_s=10, groups=3, system_len=512, question_len=40, output_len=16, ttft_slo=2.0,
                               warmup_max_s=0, seeded_arrivals=True, data_seed=0, extend_below_p99=5.0)
-    stages = cb.shared_prefix_steady(FakeCluster(), "kvmesh", args, "exe", "/m", Tok(), [0.5, 1.5], lambda m: None,
-                                     extend=[3.0, 4.0])
+    stages = cb.shared_prefix_steady(_FakeCluster(tmp_path), "kvmesh", args, "exe", "/m", _WordTok(), [0.5, 1.5],
+                                     lambda m: None, extend=[3.0, 4.0])
     # 1.5 req/s: p99 3 s, below 5 -> on at 3 req/s: p99 6 s -> saturated, 4 req/s is not run
     assert [s["rate"] for s in stages] == [0.5, 0.5, 1.5, 3.0] and len(configs) == 2
     assert [bool(s.get("extension")) for s in stages] == [False, False, False, True]
@@ -809,8 +797,8 @@ def test_a_sweep_goes_on_at_higher_rates_until_it_saturates(tmp_path, monkeypatc
 
     # a sweep already saturated at its top stage (p99 6 s at 3 req/s) runs no extension
     configs.clear()
-    stages = cb.shared_prefix_steady(FakeCluster(), "pow2", args, "exe", "/m", Tok(), [0.5, 3.0], lambda m: None,
-                                     extend=[4.0])
+    stages = cb.shared_prefix_steady(_FakeCluster(tmp_path), "pow2", args, "exe", "/m", _WordTok(), [0.5, 3.0],
+                                     lambda m: None, extend=[4.0])
     assert [s["rate"] for s in stages] == [0.5, 0.5, 3.0] and len(configs) == 1
 
 
