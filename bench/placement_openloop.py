@@ -21,14 +21,17 @@ worker's queue; blocks a holder lost meanwhile are recomputed.
 The kvmesh router is fed as ``cluster.routing.CostAwareRouter`` is fed by ``cluster.pool``:
 per worker ``WorkerLoad(waiting_tokens=prompt - the choice's cached tokens of each routed request
 without a first token, running=requests past it)``, one prefill sample per request at its first
-token, one transfer sample per pull, and the index = what the pools hold.
+token, one transfer sample per pull, one seconds-per-output-token sample per ended request against
+the mean sequences decoding beside it (the decode contention's ``row_s``), and the index = what
+the pools hold.
 
 Routers: kvmesh (``Placer`` over ``CostModel``), the baselines (affinity imitation, pow2, round
 robin) and ``packed``, an oracle that knows each group's requests in the scored stages in advance
 and gives each group one worker, packed evenly (``pack_groups``): the upper bound of placement on a
 workload whose groups stay where they are put.
 
-Scores per stage: TTFT p50/p90/p99, completed requests/s (``n / max(drain, stage_s)``, as the
+Scores per stage: TTFT p50/p90/p99, latency to the last token p50/p90 and seconds per output
+token p50, completed requests/s (``n / max(drain, stage_s)``, as the
 bench), hit tokens against one infinite cache (``bench.workloads.oracle_hits``), and per router the
 throughput at equal p99 TTFT against the affinity imitation (``bench.cluster_report``).
 ``python bench/placement_openloop.py`` runs the sweep and writes
@@ -59,11 +62,12 @@ sys.path.insert(0, str(ROOT))
 from bench.cluster_report import Point, equal_p99_ratio  # noqa: E402
 from bench.loadgen import percentile  # noqa: E402
 from bench.placement_sim import _Affinity, baseline_route  # noqa: E402
-from bench.workloads import Oracle, Vocab, WorkItem, multi_turn, shared_prefix  # noqa: E402
+from bench.workloads import (Oracle, TraceScale, Vocab, WorkItem, generate_mooncake, mooncake_items,  # noqa: E402
+                             multi_turn, shared_prefix)
 from engine.block_pool import BlockPool, extra_key, hash_blocks, prompt_chains  # noqa: E402
 from policies.eviction import TenantEvictionPolicy  # noqa: E402
 from policies.placement import Placer, PlacementConfig  # noqa: E402
-from policies.routing import CostConfig, CostModel, WorkerLoad  # noqa: E402
+from policies.routing import ROW_FIT_WEIGHT, CostConfig, CostModel, DecodeModel, WorkerLoad  # noqa: E402
 
 MODEL = "sim"
 ROUTERS = ("kvmesh", "affinity", "pow2", "round_robin", "packed")
@@ -102,7 +106,7 @@ def stages(rates: Sequence[float] = (0.4, 0.7, 1.0, 1.3), stage_s: float = 45.0,
            system_len: int = 512, question_len: int = 40, output_len: int = 16, seed: int = 0,
            hot: bool = False, steady: bool = False, warmup_stages: int = 1,
            order: Sequence[int] | None = None, chat: bool = False,
-           then_hot: Sequence[float] = ()) -> list[Stage]:
+           then_hot: Sequence[float] = (), trace: bool = False) -> list[Stage]:
     """One stage per rate, fresh groups each (``hot``: one group, users enough that no prompt
     repeats, as the bench's hot-prefix variant); Poisson arrivals over ``stage_s``. ``steady``:
     the bench's ``--sweep steady``: one set of groups walked through a warm-up stage at the first
@@ -119,7 +123,11 @@ def stages(rates: Sequence[float] = (0.4, 0.7, 1.0, 1.3), stage_s: float = 45.0,
     bench's hot-prefix series after the steady one, as ``bench/cluster.py`` runs them: one new
     group, a warm-up stage at its first rate and then each rate, with the caches and the router's
     state carried over; only these stages are scored (the steady ones become warm-ups): how fast
-    a group that turns hot while the others fade gets its holders."""
+    a group that turns hot while the others fade gets its holders. ``trace``: per stage a synthetic
+    Mooncake trace of ``rate`` x ``stage_s`` requests at ``rate`` per second
+    (``bench.workloads.generate_mooncake``, the generator of the bench's ``mooncake_small.jsonl``),
+    read as the bench reads it (16 tokens per hash id, prompts of at most 1,024 tokens, at most
+    ``output_len`` output tokens); each stage in its own domain, so stages share no prefix."""
     if then_hot:
         first = stages(rates, stage_s, groups, users, system_len, question_len, output_len, seed,
                        steady=True, warmup_stages=warmup_stages, order=order)
@@ -127,6 +135,14 @@ def stages(rates: Sequence[float] = (0.4, 0.7, 1.0, 1.3), stage_s: float = 45.0,
                      hot=True, steady=True)
         return [replace(st, warmup=True) for st in first] + \
             [replace(st, items=tuple(replace(it, group=f"hot{it.group}") for it in st.items)) for st in hot]
+    if trace:
+        scale = TraceScale(tokens_per_hash=16, max_input_tokens=1024, max_output_tokens=output_len)
+        out = []
+        for k, rate in enumerate(rates):
+            recs = generate_mooncake(requests=max(1, round(rate * stage_s)), rate_per_s=rate, seed=seed * 7919 + 5000 + k)
+            items = mooncake_items(recs, scale, tenant=f"t{k}")
+            out.append(Stage(rate, tuple(replace(it, group=f"s{k}{it.group}") for it in items), stage_s))
+        return out
     if chat:
         out = []
         for k, rate in enumerate(rates):
@@ -205,6 +221,7 @@ class _Req:
     route_kind: str = ""
     left: int = 0
     done_at: float | None = None
+    rows_mark: float = 0.0  # its worker's running-sequence integral at its first token
 
 
 class _Worker:
@@ -221,6 +238,11 @@ class _Worker:
         self.queued: dict[int, int] = {}  # the pool's view: routed, no first token yet
         self.running = 0
         self.inflight = 0
+        self.rows_int, self.rows_at = 0.0, 0.0  # integral of ``running`` over time, as the pool keeps it
+
+    def tick(self, now: float) -> None:
+        self.rows_int += self.running * max(0.0, now - self.rows_at)
+        self.rows_at = max(self.rows_at, now)
 
     def holds(self, chain: Sequence[bytes]) -> int:
         k = 0
@@ -282,6 +304,8 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
         placer.shadow(w, cfg.capacity_blocks)
     params = inspect.signature(placer.decide).parameters
     knows_running, knows_queued = "running" in params, "queued" in params
+    knows_rows = "row_s" in params
+    row_fit = DecodeModel(0.0, weight=ROW_FIT_WEIGHT)  # seconds per output token per sequence beside it, learned as the pool learns it
     affinity = _Affinity(wids, rng)
     rr = itertools.cycle(wids)
     events: list = []
@@ -312,6 +336,8 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
         extra = {"running": {w: workers[w].running for w in wids}} if knows_running else {}  # legacy placers do not
         if knows_queued:
             extra["queued"] = {w: len(workers[w].queued) for w in wids}
+        if knows_rows:
+            extra["row_s"] = row_fit.seconds
         placed = placer.decide(it.prompt_ids, it.max_tokens, bs, chains, it.domain, holdings, wids, loads, ranking,
                                now, **extra)
         c = placed.candidate
@@ -389,19 +415,25 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
         w.busy = True
         push(now + dt, "step", (w, rows, chunks, dt))
 
-    def end_step(w: _Worker, rows: list[_Req], chunks: list[tuple[_Req, int]], dt: float) -> None:
+    def finished(w: _Worker, r: _Req) -> None:
+        r.done_at = now
+        if r.item.max_tokens >= 2 and now > r.first_at:
+            row_fit.observe((w.rows_int - r.rows_mark) / (now - r.first_at), (now - r.first_at) / (r.item.max_tokens - 1))
+
+    def end_step(w: _Worker, decode: list[_Req], chunks: list[tuple[_Req, int]], dt: float) -> None:
         w.now = now
+        w.tick(now)
         w.busy = False
         w.pool.take_events()  # nobody reads the pool's events here
-        total = len(rows) + sum(n for _, n in chunks)
-        for r in rows:
+        total = len(decode) + sum(n for _, n in chunks)
+        for r in decode:
             r.left -= 1
             if r.left <= 0:
                 w.decoding.remove(r)
                 w.pool.free(r.blocks)
                 w.running -= 1
                 w.inflight -= 1
-                r.done_at = now
+                finished(w, r)
         for r, n in chunks:
             r.computed += n
             r.prefill_s += dt * n / total
@@ -416,6 +448,7 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
                     cm.observe_outcome(w.wid, r.running_at, r.expected_s, now - r.arrival, r.decode_wait_s)
                 w.queued.pop(r.rid, None)
                 w.running += 1
+                r.rows_mark = w.rows_int
                 r.left = r.item.max_tokens - 1
                 if r.left <= 0:
                     w.pool.free(r.blocks)
@@ -474,12 +507,15 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
 
 def _stage_figures(st: Stage, reqs: list[_Req], t0: float, drained: float, oracle: Oracle) -> dict:
     ttft = [r.first_at - r.arrival for r in reqs]
+    latency = [r.done_at - r.arrival for r in reqs]
+    tpot = [(r.done_at - r.first_at) / (r.item.max_tokens - 1) for r in reqs if r.item.max_tokens > 1]
     best = sum(oracle.observe(r.item) for r in reqs)
     hits = sum(r.hit for r in reqs)
     return {"rate": st.rate, "warmup": st.warmup, "requests": len(reqs),
             "throughput": len(reqs) / max(drained - t0, st.stage_s),
             "ttft_p50": percentile(ttft, 50), "ttft_p90": percentile(ttft, 90), "ttft_p99": percentile(ttft, 99),
-            "hit_tokens": hits, "oracle_hit_tokens": best,
+            "latency_p50": percentile(latency, 50), "latency_p90": percentile(latency, 90),
+            "tpot_p50": percentile(tpot, 50) if tpot else 0.0, "hit_tokens": hits, "oracle_hit_tokens": best,
             "per_worker": dict(sorted(Counter(r.worker for r in reqs).items())),
             "groups_per_worker": dict(sorted(Counter(w for w, _ in {(r.worker, r.item.group) for r in reqs}).items()))}
 
@@ -541,13 +577,21 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "fill 0.8": ({"prefix_fill": 0.8}, 0.0, "new"),
     "seed 0": ({"cache_seed_s": 0.0}, 0.0, "new"),  # the engines before session 30: a new chain is plain LRU
     "plain LRU": ({"cache_seed_s": 0.0, "cache_protect_s": 0.0}, 0.0, "new"),
+    "no relief": ({"contention_weight": 0.0}, 0.0, "new"),  # before session 32: decode contention not weighed
+    "contention 0.5": ({"contention_weight": 0.5}, 0.0, "new"),
+    "contention 2": ({"contention_weight": 2.0}, 0.0, "new"),
+    "relief copies free": ({"relief_copy_weight": 0.0}, 0.0, "new"),
+    "relief copy 0.5": ({"relief_copy_weight": 0.5}, 0.0, "new"),
+    "relief copy 1.5": ({"relief_copy_weight": 1.5}, 0.0, "new"),
+    "relief copy 2": ({"relief_copy_weight": 2.0}, 0.0, "new"),
+    "relief copy 3": ({"relief_copy_weight": 3.0}, 0.0, "new"),
 }
 
 
 def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _cache: dict = {},
                 steady: bool = False, rates: Sequence[float] | None = None, stage_s: float = 45.0,
                 warmup_stages: int = 1, order: Sequence[int] | None = None, chat: bool = False,
-                then_hot: Sequence[float] = ()) -> list[dict]:
+                then_hot: Sequence[float] = (), trace: bool = False) -> list[dict]:
     """``name``: a router, a ``VARIANTS`` key, or either with ``+learn`` (the decode term learned)."""
     base, learn = (name[: -len("+learn")], True) if name.endswith("+learn") else (name, False)
     fields, decode_s, kind = VARIANTS[base] if base in VARIANTS else ({}, 0.0, "new")
@@ -562,7 +606,7 @@ def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _ca
     rows = []
     for seed in seeds:
         run = stages(rates or (0.4, 0.7, 1.0, 1.3), stage_s=stage_s, seed=seed, hot=hot, steady=steady,
-                     warmup_stages=warmup_stages, order=order, chat=chat, then_hot=then_hot)
+                     warmup_stages=warmup_stages, order=order, chat=chat, then_hot=then_hot, trace=trace)
         res = simulate(run, router, replace(cfg, seed=seed, **engines), legacy_cfg(**fields),
                        decode_s, placer_cls, learn_decode=learn)
         rows.append({"seed": seed, **res})
@@ -600,7 +644,8 @@ def aggregate(rows: list[dict]) -> dict:
     for rate in rates:
         ss = [s for r in rows for s in r["stages"] if s["rate"] == rate and not s["warmup"]]
         out[str(rate)] = {k: sum(s[k] for s in ss) / len(ss)
-                          for k in ("throughput", "ttft_p50", "ttft_p90", "ttft_p99")}
+                          for k in ("throughput", "ttft_p50", "ttft_p90", "ttft_p99", "latency_p50", "latency_p90",
+                                    "tpot_p50")}
         hits, oracle = sum(s["hit_tokens"] for s in ss), sum(s["oracle_hit_tokens"] for s in ss)
         out[str(rate)]["hit_vs_oracle"] = hits / oracle if oracle else 1.0
     hits, oracle = sum(r["hit_tokens"] for r in rows), sum(r["oracle_hit_tokens"] for r in rows)
@@ -640,12 +685,13 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default=",".join([*ROUTERS[1:], *VARIANTS]),
                     help=f"comma list of {list(VARIANTS)} and baseline routers {ROUTERS[1:]}")
     ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--workload", choices=("shared", "hot", "closed", "steady", "chat", "steady_hot"),
+    ap.add_argument("--workload", choices=("shared", "hot", "closed", "steady", "chat", "steady_hot", "trace"),
                     default="shared",
                     help="shared: the cluster bench's stages; hot: one group; chat: multi-turn sessions sharing a "
                          "system prompt; closed: placement_sim's defaults; "
                          "steady: the bench's --sweep steady (one set of groups through a warm-up and every rate); "
-                         "steady_hot: steady, then the bench's hot-prefix series (--hot-rates), only the latter scored")
+                         "steady_hot: steady, then the bench's hot-prefix series (--hot-rates), only the latter scored; "
+                         "trace: a synthetic Mooncake trace per stage, read as the bench reads its trace")
     ap.add_argument("--hot-rates", default="0.7,1.3", help="steady_hot: the hot series' rates (the bench's default)")
     ap.add_argument("--rates", default=None, help="offered rates (req/s), comma separated")
     ap.add_argument("--stage-s", type=float, default=45.0,
@@ -663,12 +709,17 @@ def main(argv=None) -> None:
     ap.add_argument("--speed-jitter", type=float, default=0.0,
                     help="worker k's steps take (1 + u_k) x as long, u_k uniform in [-x, +x] per seed "
                          "(the cluster's hosts measured 12.4-15.2 ms per prefill token, +-10%%)")
+    ap.add_argument("--step-s", type=float, default=OpenConfig.step_s, help="fixed seconds of one engine step")
+    ap.add_argument("--row-s", type=float, default=OpenConfig.row_s,
+                    help="seconds per decode row in a step (the cluster bench's hosts in session 31: a one-row "
+                         "step ~0.2 s, ~0.03 s more per row)")
     ap.add_argument("--capacity-blocks", type=int, default=OpenConfig.capacity_blocks,
                     help="each worker's pool in blocks (128: the bench's pool ratio 3; 96: ratio 4)")
     ap.add_argument("--json", default=str(ROOT / "bench/results/placement_sim_tradeoff.json"),
                     help="merge the aggregated rows into this file (by workload and variant)")
     a = ap.parse_args(argv)
-    cfg = OpenConfig(speed_jitter=a.speed_jitter, capacity_blocks=a.capacity_blocks, token_s=a.token_s)
+    cfg = OpenConfig(speed_jitter=a.speed_jitter, capacity_blocks=a.capacity_blocks, token_s=a.token_s,
+                     step_s=a.step_s, row_s=a.row_s)
     path = Path(a.json)
     doc = json.loads(path.read_text()) if path.exists() else {}
     doc.setdefault("bench", "bench/placement_openloop.py")
@@ -687,7 +738,7 @@ def main(argv=None) -> None:
         agg = aggregate(run_variant(name, range(a.seeds), a.workload == "hot", cfg,
                                     steady=a.workload in ("steady", "steady_hot"),
                                     rates=rates, stage_s=a.stage_s, warmup_stages=a.warmup_stages,
-                                    chat=a.workload == "chat",
+                                    chat=a.workload == "chat", trace=a.workload == "trace",
                                     then_hot=[float(x) for x in a.hot_rates.split(",")]
                                     if a.workload == "steady_hot" else (),
                                     order=json.loads(Path(a.ipperf_order).read_text()) if a.ipperf_order else None))
@@ -695,6 +746,7 @@ def main(argv=None) -> None:
         pr = agg["per_rate"]
         print(f"{a.workload:6s} {name:32s} hit {agg['hit_vs_oracle']:.3f}  " + "  ".join(
             f"@{r}: {v['throughput']:.2f}/s p50 {v['ttft_p50']:.1f} p90 {v['ttft_p90']:.1f} p99 {v['ttft_p99']:.1f}"
+            f" e2e p90 {v['latency_p90']:.1f} tpot {v['tpot_p50']:.2f}"
             for r, v in pr.items()) + (f"  warm-up max groups {Counter(agg['warmup_max_groups'])}"
                                        if a.workload in ("steady", "steady_hot") else "") + f"  ({time.perf_counter() - t:.0f} s)",
               flush=True)

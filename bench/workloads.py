@@ -221,36 +221,48 @@ class TraceScale:
 def read_mooncake(path: str | Path, scale: TraceScale = TraceScale(), vocab: Vocab = Vocab(),
                   tenant: str = "default") -> list[WorkItem]:
     """Mooncake JSONL (one ``{"timestamp", "input_length", "output_length", "hash_ids"}`` per line)
-    as work items. Hash id ``h`` always expands to the same ``tokens_per_hash`` tokens, so
-    requests sharing leading hash ids share a token prefix; ``input_length`` scales by
+    as work items (``mooncake_items``). Bad lines raise ``ValueError`` naming the file and the
+    record (its non-blank line) number."""
+    def records():
+        with open(path) as f:
+            for number, line in enumerate((line for line in f if line.strip()), 1):
+                try:
+                    yield json.loads(line)
+                except ValueError as e:
+                    raise ValueError(f"{path}:{number}: not a Mooncake record ({e!r})") from None
+
+    return mooncake_items(records(), scale, vocab, tenant, where=str(path))
+
+
+def mooncake_items(records: Iterable[dict], scale: TraceScale = TraceScale(), vocab: Vocab = Vocab(),
+                   tenant: str = "default", where: str = "trace") -> list[WorkItem]:
+    """Mooncake records as work items. Hash id ``h`` always expands to the same ``tokens_per_hash``
+    tokens, so requests sharing leading hash ids share a token prefix; ``input_length`` scales by
     ``tokens_per_hash / source_block`` (never beyond the hash blocks, at least one token); the
-    first timestamp becomes offset 0. Bad lines raise ``ValueError`` naming the line."""
+    first timestamp becomes offset 0. A bad record raises ``ValueError`` naming ``where`` and its
+    number (1-based)."""
     items: list[WorkItem] = []
     t_first = None
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                ts, n_in, n_out = float(rec["timestamp"]), int(rec["input_length"]), int(rec["output_length"])
-                hashes = [int(h) for h in rec["hash_ids"]]
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: not a Mooncake record ({e!r})") from None
-            if n_in < 1 or n_out < 0 or not hashes:
-                raise ValueError(f"{path}:{lineno}: needs input_length >= 1, output_length >= 0 and hash_ids")
-            t_first = ts if t_first is None else t_first
-            tokens: tuple[int, ...] = ()
-            for h in hashes:
-                tokens += vocab.seeded(f"mooncake-hash-{h}", scale.tokens_per_hash)
-            n = min(len(tokens), max(1, math.ceil(n_in * scale.tokens_per_hash / scale.source_block)))
-            if scale.max_input_tokens is not None:
-                n = min(n, scale.max_input_tokens)
-            out = max(1, n_out if scale.max_output_tokens is None else min(n_out, scale.max_output_tokens))
-            items.append(WorkItem(tokens[:n], out, (ts - t_first) / 1000.0 * scale.time_scale, tenant, tenant,
-                                  group=f"h{hashes[0]}"))
-            if scale.max_requests is not None and len(items) >= scale.max_requests:
-                break
+    for lineno, rec in enumerate(records, 1):
+        try:
+            ts, n_in, n_out = float(rec["timestamp"]), int(rec["input_length"]), int(rec["output_length"])
+            hashes = [int(h) for h in rec["hash_ids"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{where}:{lineno}: not a Mooncake record ({e!r})") from None
+        if n_in < 1 or n_out < 0 or not hashes:
+            raise ValueError(f"{where}:{lineno}: needs input_length >= 1, output_length >= 0 and hash_ids")
+        t_first = ts if t_first is None else t_first
+        tokens: tuple[int, ...] = ()
+        for h in hashes:
+            tokens += vocab.seeded(f"mooncake-hash-{h}", scale.tokens_per_hash)
+        n = min(len(tokens), max(1, math.ceil(n_in * scale.tokens_per_hash / scale.source_block)))
+        if scale.max_input_tokens is not None:
+            n = min(n, scale.max_input_tokens)
+        out = max(1, n_out if scale.max_output_tokens is None else min(n_out, scale.max_output_tokens))
+        items.append(WorkItem(tokens[:n], out, (ts - t_first) / 1000.0 * scale.time_scale, tenant, tenant,
+                              group=f"h{hashes[0]}"))
+        if scale.max_requests is not None and len(items) >= scale.max_requests:
+            break
     items.sort(key=lambda w: w.at_s)
     return items
 

@@ -49,8 +49,13 @@ class Metrics:
                                  "Mean predicted - measured TTFT by route kind (< 0: the router underestimates)",
                                  ["kind"], registry=r)
         self.router_placements = Gauge("kvmesh_router_placements",
-                                       "Routing choices by placement rule (match, spill, balance, idle, place; "
+                                       "Routing choices by placement rule (match, spill, balance, relieve, idle, "
+                                       "place; "
                                        "-fallback: without estimates)", ["kind"], registry=r)
+        self.router_row_s = Gauge("kvmesh_router_decode_row_seconds",
+                                  "Seconds one more sequence decoding beside a request adds to each of its "
+                                  "output tokens, as the router measured it (placement's decode contention)",
+                                  registry=r)
         self.router_routed = Gauge("kvmesh_router_routed", "Requests routed to each worker", ["worker"], registry=r)
         self.router_groups = Gauge("kvmesh_router_groups",
                                    "Prefix groups routed to each worker lately (a request within ~20 s)",
@@ -80,7 +85,8 @@ class Metrics:
                assigned: dict[str, int], router: dict | None = None) -> bytes:
         """The exposition text, with gauges refreshed from the given snapshots. ``router``: the
         controller's routing counts (``decisions`` by kind, ``placements`` by rule, ``routed`` per
-        worker, ``bytes_pulled``, ``pull_failures``, ``ttft_error`` by kind; any may be missing),
+        worker, ``bytes_pulled``, ``pull_failures``, ``ttft_error`` by kind, ``decode_row_s``; any may
+        be missing),
         None when it did not answer."""
         if router:
             for kind, n in router.get("decisions", {}).items():
@@ -93,6 +99,8 @@ class Metrics:
                     self.router_bias.labels(kind=kind).set(e["mean_signed_s"])
             for kind, n in router.get("placements", {}).items():
                 self.router_placements.labels(kind=kind).set(n)
+            if "decode_row_s" in router:
+                self.router_row_s.set(router["decode_row_s"])
             for worker, n in router.get("routed", {}).items():
                 self.router_routed.labels(worker=worker).set(n)
             if "groups" in router:

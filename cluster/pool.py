@@ -651,9 +651,10 @@ class WorkerPool:
                                                f.worker_id, f.running_at_route, f.decode_wait_s)
                 if prefill is not None and ws is not None:
                     self._report_prefill(ws, prefill)
-            if ws is not None and ws.queued.pop(request_id, None) is not None:
-                ws.running += 1
             f.started_at = time.monotonic()
+            if ws is not None and ws.queued.pop(request_id, None) is not None:
+                f.rows_mark = ws.tick(f.started_at)
+                ws.running += 1
         f.output_tokens = max(f.output_tokens, output_tokens)
 
     def progress(self, request_id: str, output_tokens: int) -> None:
@@ -673,11 +674,15 @@ class WorkerPool:
             return
         ws.flights.pop(request_id, None)
         out = max(f.output_tokens, output_tokens or 0)
+        now = time.monotonic()
+        rows = ws.tick(now)
         if f.started and out >= 2 and not worker_dead:
             a = LIFETIME_ALPHA
-            tpot = (time.monotonic() - f.started_at) / (out - 1)
+            tpot = (now - f.started_at) / (out - 1)
             ws.tpot_s = tpot if ws.tpot_s is None else (1 - a) * ws.tpot_s + a * tpot
             ws.output_tokens = out if ws.output_tokens is None else (1 - a) * ws.output_tokens + a * out
+            if isinstance(self.router, CostAwareRouter) and now > f.started_at:
+                self.router.observe_tpot((rows - f.rows_mark) / (now - f.started_at), tpot)
         ws.inflight -= 1
         ws.inflight_tokens -= f.cost
         if ws.queued.pop(request_id, None) is None and f.started:
@@ -737,6 +742,8 @@ class WorkerPool:
         groups = getattr(self.router, "groups", None)
         if groups is not None:
             out["groups"] = groups()
+        if isinstance(self.router, CostAwareRouter):
+            out["decode_row_s"] = self.router.row_s
         if self._router_client is not None:
             try:
                 actor = await asyncio.wait_for(_aref(self._router_client.handle.metrics.remote()), timeout_s)

@@ -37,7 +37,7 @@ from cluster.types import NO_LOAN, HitLoan, LeastLoadedRouter, RouteChoice, Work
 from engine.sequence import Request
 from policies.placement import PlacementConfig, Placer
 from policies.replication import ReplicationConfig, ReplicationPolicy
-from policies.routing import KvFlight, WorkerLoad, held_prefix, kv_use, pull_deadline_s
+from policies.routing import ROW_FIT_WEIGHT, DecodeModel, KvFlight, WorkerLoad, held_prefix, kv_use, pull_deadline_s
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,20 @@ def options_of(ranking) -> dict | None:
             for c in ranking}
 
 
+def decode_tokens(candidates: Sequence[WorkerState]) -> int | None:
+    """The output tokens a request is expected to produce at most, from what requests that ended on
+    ``candidates`` produced (their EWMAs): twice their mean, at least 16; None before any ended.
+    A request's ``max_tokens`` is a bound, often far above what it produces (a chat's default)."""
+    outs = [w.output_tokens for w in candidates if w.output_tokens]
+    return output_cap(sum(outs) / len(outs)) if outs else None
+
+
+def output_cap(mean_tokens: float) -> int:
+    """The output a request is taken to produce at most where requests produced ``mean_tokens`` on
+    average: twice that, at least 16."""
+    return max(16, math.ceil(2 * mean_tokens))
+
+
 class CostAwareRouter:
     def __init__(self, model_id: str, block_size: int, index=None, client: RouterClient | None = None,
                  worker_lookup: Callable[[str], WorkerState | None] | None = None, timeout_s: float = 0.05,
@@ -81,6 +95,22 @@ class CostAwareRouter:
         self._published: dict[str, WorkerLoad] = {}
         self.replication = ReplicationPolicy(replication)
         self.placer = Placer(placement)
+        # seconds one more sequence decoding beside a request adds to each of its output tokens: the
+        # slope of ended requests' seconds per output token over the mean number of sequences that
+        # decoded on their worker meanwhile (themselves included), 0 until measured (placement's
+        # decode contention, ``PlacementConfig.contention_weight``)
+        self.rows = DecodeModel(0.0, weight=ROW_FIT_WEIGHT)
+
+    def observe_tpot(self, rows: float, tpot_s: float) -> None:
+        """An ended request: ``rows`` sequences decoded beside it on average (itself included), at
+        ``tpot_s`` seconds per output token."""
+        if rows > 0 and math.isfinite(tpot_s) and tpot_s >= 0:
+            self.rows.observe(rows, tpot_s)
+
+    @property
+    def row_s(self) -> float:
+        """Seconds per output token one more sequence decoding beside a request adds (``rows``)."""
+        return self.rows.seconds
 
     @property
     def placements(self):
@@ -164,7 +194,8 @@ class CostAwareRouter:
                                     reuse=request.reuse != "none",
                                     running={w.worker_id: w.running for w in candidates},
                                     queued={w.worker_id: len(w.queued) for w in candidates},
-                                    unranked={w: n - ranked[w] for w, n in loads.items() if n > ranked[w]})
+                                    unranked={w: n - ranked[w] for w, n in loads.items() if n > ranked[w]},
+                                    row_s=self.row_s, decode_tokens=decode_tokens(candidates))
         if placed is None:
             choice = await self.fallback.choose(request, candidates)
             return replace(choice, index_holders=found, blocks=blocks) if chains else choice
@@ -233,7 +264,7 @@ class CostAwareRouter:
             kv: dict = {}
             tpot, num_blocks = w.tpot_s or pooled, (w.info or {}).get("num_blocks")
             if tpot and num_blocks and self.kv_memory:
-                cap = max(16, math.ceil(2 * w.output_tokens)) if w.output_tokens else None
+                cap = output_cap(w.output_tokens) if w.output_tokens else None
                 flights = [KvFlight(f.prompt_tokens, f.cached_tokens, f.blocks,
                                     f.max_tokens if cap is None else min(f.max_tokens, cap),
                                     None if f.started_at is None else now - f.started_at)

@@ -48,6 +48,7 @@ class InFlight:
     cached_tokens: int = 0  # the router expected these reused there (local + pulled)
     blocks: tuple = ()  # its prompt's block hashes (``RouteChoice.blocks``)
     started_at: float | None = None  # monotonic time its first token was reported
+    rows_mark: float = 0.0  # its worker's ``rows_integral`` then (the sequences it decoded beside)
 
     @property
     def started(self) -> bool:
@@ -72,6 +73,10 @@ class WorkerState:
     # computed (not cached); and requests past their first token (the router's load signal)
     queued: dict[str, int] = field(default_factory=dict)
     running: int = 0
+    # the integral of ``running`` over monotonic time, up to ``rows_at`` (``tick``): a request's
+    # mean number of sequences decoding beside it, for the router's decode contention
+    rows_integral: float = 0.0
+    rows_at: float = 0.0
     # every request in flight here (routing order) for the KV memory signal, and what requests
     # that ended here measured: seconds per output token and output tokens (EWMAs; None: none yet)
     flights: dict[str, InFlight] = field(default_factory=dict)
@@ -84,6 +89,13 @@ class WorkerState:
     @property
     def routable(self) -> bool:
         return self.info is not None and not self.draining and not self.dead
+
+    def tick(self, now: float) -> float:
+        """``rows_integral`` brought up to ``now`` (call before ``running`` changes); returns it."""
+        if self.rows_at:
+            self.rows_integral += self.running * max(0.0, now - self.rows_at)
+        self.rows_at = max(self.rows_at, now)
+        return self.rows_integral
 
 
 @dataclass(frozen=True)

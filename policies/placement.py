@@ -88,6 +88,23 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     decoding) that has room for the copy (no warm block evicted) if that costs this request at
     most ``idle_slack`` x its own prefill more than the holder; the match rule then shares the
     group's requests among its holders. Compute an idle worker spends is lost to nobody.
+  * **a busy holder is relieved where decoding contends less** (``contention_weight``,
+    ``relief_copy_weight``; "relieve"). A request decodes in every step with the sequences in flight
+    on its worker, each step longer for each of them, and makes theirs longer: a holder with four
+    requests in flight serves a 16-token answer seconds later than an idle worker that pulls the
+    prefix, though its TTFT is lower. The per-request TTFT never sees it: on the cluster bench's
+    trace and chat workloads kvmesh kept requests on holders while one or two of four workers idled
+    and lost seconds per output token and throughput to power of two choices in all fourteen
+    default runs of sessions 24-31. A match goes to a worker with fewer requests in flight that
+    evicts no warm block and has room for the copy (``prefix_fill``) when its effective TTFT (the
+    spill rule's) plus what its requests in flight cost this request's decoding and this request
+    theirs (2 x ``row_s``, learned from ended requests' seconds per output token against the mean
+    sequences beside them, x the request's expected output tokens, per request in flight) plus the
+    copy's room (each block it adds charged ``relief_copy_weight`` x a warm eviction) beats the
+    holder's. The room charge keeps long prefixes home: copies of the steady sweep's 34-block groups
+    made in its warm-up filled the pools (replayed: hits 0.93 against 0.98) while a trace's or a
+    chat's few blocks move (``bench/placement_openloop.py --workload trace``: 2.19 against 2.01
+    req/s at 2.4 offered, latency p90 6.2 against 12.8 s; power of two choices 2.16 and 7.4).
   * **decoding sequences move groups, they do not place them.** The cost model's decode term
     (``Candidate.decode_wait_s``, learned per worker when ``CostConfig.learn_decode``) is how much
     longer a busy worker's steps make a new request wait. It counts in the holder rules above: a
@@ -140,7 +157,7 @@ from typing import Callable, Hashable, Literal, Mapping, Sequence
 
 from policies.routing import Candidate, WorkerId
 
-PlacementKind = Literal["match", "spill", "balance", "idle", "place"]
+PlacementKind = Literal["match", "spill", "balance", "relieve", "idle", "place"]
 PROXY_TOKEN_S = 1e-3  # without estimates: a token of queue or prefill ~ 1 ms (only compared, never reported)
 DECISION_LOG = 64  # the placement decisions other than "match" a ``Placer`` keeps (``Placer.log``)
 DECISION_CANDIDATES = 8  # per logged decision, the candidates kept: the fastest, and the one chosen
@@ -245,6 +262,25 @@ class PlacementConfig:
     # of prefixes. Longer than ``warm_s``: a group's second request may come minutes after its
     # first at low rates (the cluster bench's warm-up: 12 groups in 52-70 s, ~2 requests each)
     prefix_seed_s: float = 120.0
+    # a request's decoding shares every step with the other sequences in flight on its worker: each
+    # makes its steps longer and it makes theirs longer, so a busy holder costs more than its TTFT
+    # says (measured on the cluster bench's trace and chat workloads, sessions 24-31: kvmesh kept
+    # requests on their holders while one or two of four workers idled, and lost seconds per output
+    # token and throughput to power of two choices in all fourteen default runs). A match goes to
+    # another worker ("relieve") when that worker evicts no warm block for it, has room for the copy
+    # (``prefix_fill``), has fewer requests in flight, and its effective TTFT (as the spill rule's)
+    # plus the decode contention there is lower than the holder's by the spill rule's absolute
+    # margin or ``tie_ratio``. The contention of one sequence in flight is ``contention_weight`` x 2
+    # (its slowdown and theirs) x the seconds one more sequence adds to an output token (learned:
+    # ``Placer.decide``'s ``row_s``) x the request's expected output tokens. 0: off
+    contention_weight: float = 1.0
+    # ... and the copy pays for the room it takes: each block the target adds for it is charged as a
+    # warm eviction (``evict_weight`` x p(reuse) x the prompt's prefill per block) x this. A copy that
+    # evicts nothing now displaces a prefix later: without the charge, copies of the steady sweep's
+    # 34-block groups made in its warm-up filled the pools (``bench/placement_openloop.py --workload
+    # steady``: hits 0.93 against 0.98). A short shared prefix (a chat's system prompt, a trace's
+    # few blocks) costs little room and moves; a long one only off a much busier holder
+    relief_copy_weight: float = 2.0
 
 
 TTFT_ONLY = PlacementConfig(spill_ratio=0.0, spill_abs_s=0.0, evict_weight=0.0, compute_weight=0.0)
@@ -548,6 +584,32 @@ def _idle_target(views: Sequence[WorkerView], best_h: WorkerView, best_h_s: floa
     return min(idle, key=lambda v: (v.ttft_s, v.rank, v.worker)) if idle else None
 
 
+def _relief_target(views: Sequence[WorkerView], best_h: WorkerView, eff: Mapping[WorkerId, float],
+                   contention_s: float, usable_blocks: int, block_charge: float,
+                   c: PlacementConfig) -> WorkerView | None:
+    """The worker a match goes to instead of its busy holder ``best_h`` because decoding there
+    contends with fewer sequences (``PlacementConfig.contention_weight``): it evicts no warm block,
+    has room for the copy, has fewer requests in flight, and its effective TTFT (``eff``: the spill
+    rule's, with its eviction, repeated-prefill and pull terms) plus ``contention_s`` per request in
+    flight, and ``block_charge`` x ``relief_copy_weight`` per block the copy adds there, beats the
+    holder's by ``spill_abs_s`` or ``tie_ratio``. The best such worker, or None."""
+    if contention_s <= 0 or c.contention_weight <= 0:
+        return None
+
+    def total(v: WorkerView) -> float:
+        room = c.relief_copy_weight * block_charge * max(0, usable_blocks - v.local_blocks) if v is not best_h else 0.0
+        return eff[v.worker] + contention_s * _in_flight(v) + room
+
+    busy = _in_flight(best_h)
+    room = [v for v in views if v.worker != best_h.worker and v.eviction[0] == 0 and _in_flight(v) < busy
+            and v.fits(usable_blocks - v.local_blocks, c.prefix_fill)]
+    if not room:
+        return None
+    v = min(room, key=lambda v: (total(v), v.rank, v.worker))
+    held = total(best_h)
+    return v if total(v) + max(c.spill_abs_s, c.tie_ratio * held) < held else None
+
+
 def _in_flight(v: WorkerView, counts_queued: bool = True) -> int:
     """Requests in flight on ``v``: decoding, and the prompts queued or prefilling (their number
     unknown, or not ``counts_queued``: one if any)."""
@@ -573,12 +635,15 @@ def _within(views: Sequence[WorkerView], best_s: float, ratio: float, abs_s: flo
 
 def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: float,
            config: PlacementConfig = PlacementConfig(), reuse_p: float | None = None,
-           cluster_share: float | None = None, cluster_weight: float | None = None) -> Placement:
+           cluster_share: float | None = None, cluster_weight: float | None = None,
+           contention_s: float = 0.0) -> Placement:
     """The worker for one request (see the module docstring for the rules). ``reuse_p``: the
     probability that an evicted warm block is needed again (None: ``config.reuse_prob``, or 1).
     ``cluster_share``: the prompt's group's share of the requests routed lately to all workers
     together (``Placer.cluster_share``; None: unknown, no idle spill); ``cluster_weight``: how many
-    requests that share is of (``Placer.cluster_weight``, decayed; None: the share is taken as exact)."""
+    requests that share is of (``Placer.cluster_weight``, decayed; None: the share is taken as exact).
+    ``contention_s``: what each request in flight on a worker adds to this request's decoding and
+    this request to theirs, together (0: unknown, no relief; ``PlacementConfig.contention_weight``)."""
     if not views:
         raise ValueError("no workers to choose from")
     c = config
@@ -623,6 +688,9 @@ def choose(views: Sequence[WorkerView], usable_blocks: int, prompt_prefill_s: fl
             if targets:
                 v = min(targets, key=headroom)
                 return Placement(v.worker, "spill" if spill else "balance", v)
+        relief = _relief_target(views, best_h, eff, contention_s, usable_blocks, charge, c)
+        if relief is not None:
+            return Placement(relief.worker, "relieve", relief)
         # a group whose share of the traffic is worth one more holder: as many holders as its share
         # of the workers (a hot group; not one of many whose few requests lately happen to weigh)
         hot = share_w is not None and share_w >= len(holders) + c.idle_share_margin
@@ -749,7 +817,8 @@ class Placer:
                workers: Sequence[WorkerId], loads: Mapping[WorkerId, float], ranking: Sequence[Candidate] | None,
                now: float, reuse: bool = True, running: Mapping[WorkerId, int] | None = None,
                unranked: Mapping[WorkerId, float] | None = None,
-               queued: Mapping[WorkerId, int] | None = None) -> Placement | None:
+               queued: Mapping[WorkerId, int] | None = None, row_s: float = 0.0,
+               decode_tokens: int | None = None) -> Placement | None:
         """Step 2: the placement of one request, and (``reuse``) its record in the chosen
         worker's shadow cache. ``holdings``: the index's prompt tokens per worker; ``chains``:
         the prompt's block hashes per readable domain (own domain ``own_domain``); ``loads``:
@@ -759,7 +828,11 @@ class Placer:
         yet (None: unknown, its queued tokens counting one); ``unranked``: per worker, prompt tokens queued there
         since the ranking's loads were taken (requests routed while it was computed: a burst of
         prompts ranked at once all see the same idle worker), added to its TTFT at its own prefill
-        rate for this prompt. None when no worker fits."""
+        rate for this prompt; ``row_s``: seconds one more sequence in flight adds to a worker's output
+        token (learned: ``policies.routing.DecodeModel`` over requests' seconds per output token
+        against the sequences beside them; 0: unknown, no contention term); ``decode_tokens``: the
+        output tokens the request is expected to produce (None: ``max_tokens``). None when no worker
+        fits."""
         prompt = len(prompt_ids)
         usable = max(0, (prompt - 1) // block_size)
         held = None if holdings is None else _held_blocks(holdings, prompt, block_size)
@@ -779,8 +852,10 @@ class Placer:
         if unranked:
             views = [_with_unranked(v, unranked.get(v.worker, 0.0), prompt) for v in views]
         prefill = full_prefill_s(ranking, prompt) if ranking else PROXY_TOKEN_S * prompt
+        steps = max(0, (max_tokens if decode_tokens is None else min(max_tokens, decode_tokens)) - 1)
+        contention = self.config.contention_weight * 2.0 * max(0.0, row_s) * steps if ranking else 0.0
         placed = choose(views, usable, prefill, self.config, self.reuse_p, self.cluster_share(groups, now),
-                        self.cluster_weight(now))
+                        self.cluster_weight(now), contention)
         self.count_routed(placed.worker, key, now)
         kind = placed.kind if ranking else f"{placed.kind}-fallback"
         self.placements[kind] += 1

@@ -167,6 +167,12 @@ class PrefillModel:
         return best
 
 
+# the ridge weight of a fit of seconds per output token over the sequences decoding beside a request
+# (``cluster.routing.CostAwareRouter.rows``): in squared sequences, 4 is one sequence's difference
+# over four requests
+ROW_FIT_WEIGHT = 4.0
+
+
 class DecodeModel:
     """Seconds each sequence decoding on a worker adds to a new request's wait, learned from
     outcomes. A sample is (sequences decoding there when the request was routed, its measured
@@ -183,7 +189,7 @@ class DecodeModel:
 
     def __init__(self, prior_s: float = 0.0, weight: float = 16.0, window: int = 256, cap_s: float = 30.0):
         self.prior_s, self.weight, self.cap_s = max(0.0, prior_s), weight, cap_s
-        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
         self._value: float | None = None
 
     @property
@@ -194,7 +200,8 @@ class DecodeModel:
         if max(0.0, prior_s) != self.prior_s:
             self.prior_s, self._value = max(0.0, prior_s), None
 
-    def observe(self, running: int, residual_s: float) -> None:
+    def observe(self, running: float, residual_s: float) -> None:
+        """A sample: sequences decoding (a count, or a mean over time) and the seconds to explain."""
         if running < 0 or not math.isfinite(residual_s):
             return
         self._samples.append((running, max(-self.cap_s, min(self.cap_s, residual_s))))

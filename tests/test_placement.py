@@ -516,6 +516,115 @@ def test_a_hot_group_takes_an_idle_worker_even_behind_a_slow_link():
     assert choose([replace(busy, group_share=0.4), slow], 39, 3.3, cluster_share=1.0).kind == "match"
 
 
+def test_a_busy_holder_of_a_short_prefix_is_relieved_by_a_worker_with_room():
+    """Decode contention (``PlacementConfig.contention_weight``): a holder with four requests in
+    flight and a worker with none that can pull the prompt's 5 blocks in 0.1 s more TTFT. Each
+    request in flight costs 2 x 0.03 s x 15 output tokens = 0.9 s of decoding (the request's own
+    and theirs), so the request goes where nothing decodes ("relieve"), paying the copy's room (2 x
+    the prompt's 0.6 s prefill / 6 blocks per block added). Not with the term unknown, not onto a
+    worker that would evict warm blocks or holds as many requests, and not for a long prefix,
+    whose copy takes much room."""
+    holder = WorkerView("w0", 0.6, 5, (0, 0, -50.0), running=3, queued=1, load=40.0)
+    roomy = WorkerView("w1", 0.7, 0, (0, 0, -80.0), capacity=128, prefix_blocks=10,
+                       candidate=Candidate("w1", "pulled", 0.7, 0.0, 0.6, 0.1, 0, 80))
+    contention = 2 * 0.03 * 15
+    p = choose([holder, roomy], 6, 0.6, contention_s=contention)
+    assert (p.worker, p.kind) == ("w1", "relieve")
+    assert choose([holder, roomy], 6, 0.6).kind == "match"  # no contention measured: TTFT alone
+    assert choose([holder, roomy], 6, 0.6, PlacementConfig(contention_weight=0.0), contention_s=contention).kind == "match"
+    for other in (replace(roomy, eviction=(2, 1, -5.0)), replace(roomy, running=4),
+                  replace(roomy, prefix_blocks=120)):  # warm victims; as busy; no room for the copy
+        assert choose([holder, other], 6, 0.6, contention_s=contention).kind == "match"
+    # fewer requests in flight on the holder: the copy's room outweighs one request's contention
+    assert choose([replace(holder, running=1, queued=0, load=0.0), roomy], 6, 0.6, contention_s=contention).kind == "match"
+    # the steady sweep's 34-block prefix (3.3 s prefill): its copy's room (6.6 s) outweighs 4 in flight
+    long_holder = replace(holder, local_blocks=34)
+    long_roomy = replace(roomy, prefix_blocks=0)
+    assert choose([long_holder, long_roomy], 34, 3.3, contention_s=contention).kind == "match"
+    assert choose([long_holder, long_roomy], 34, 3.3, PlacementConfig(relief_copy_weight=0.0),
+                  contention_s=contention).kind == "relieve"
+
+
+def test_decode_contention_scales_with_the_output_a_request_is_expected_to_produce():
+    """``Placer.decide``: the contention term is 2 x ``row_s`` x (expected output - 1); a request
+    capped at a few output tokens (``decode_tokens``) decodes too briefly to leave its holder."""
+    workers = ["w0", "w1"]
+    cm = _cost_model(workers)
+    items = shared_prefix(groups=1, users=3, system_len=80, question_len=16, output_len=64, seed=5)
+    placer = Placer(PlacementConfig(idle_slack=0.0))  # (one group is hot: the idle rule would take it)
+    h = _route(placer, cm, items[0], workers, {}, {}, now=0.0).worker
+    other = "w1" if h == "w0" else "w0"
+    idx = {h: 80}
+    cm.observe_load(h, WorkerLoad(running=4))
+
+    def route(item, **kw):
+        chains = prompt_chains(item.prompt_ids, BS, "m", [item.domain])
+        pend = placer.pending_tokens(chains, idx, workers, len(item.prompt_ids), BS, 1.0)
+        ranking = cm.rank(len(item.prompt_ids), idx, workers, pend)
+        return placer.decide(item.prompt_ids, item.max_tokens, BS, chains, item.domain, idx, workers, {}, ranking,
+                             1.0, reuse=False, running={h: 4, other: 0}, queued={h: 0, other: 0}, **kw)
+
+    assert route(items[1]).kind == "match"  # nothing measured
+    p = route(items[1], row_s=0.03)
+    assert (p.worker, p.kind) == (other, "relieve")
+    assert route(items[1], row_s=0.03, decode_tokens=2).kind == "match"
+    assert placer.placements["relieve"] == 1
+
+
+def test_the_pool_measures_how_much_each_sequence_beside_a_request_slows_its_tokens(monkeypatch):
+    """The pool integrates each worker's decoding sequences over time; a request that ends reports
+    the mean number that decoded beside it (itself included) with its seconds per output token to
+    the router (``CostAwareRouter.observe_tpot``), whose fit (``row_s``) is the slope."""
+    import types
+
+    from cluster import pool as pool_mod
+    from cluster.pool import PoolConfig, WorkerPool
+    from cluster.routing import CostAwareRouter
+    from cluster.types import WorkerState
+    from engine.sequence import Request, SamplingParams
+
+    seen = []
+
+    class _Router(CostAwareRouter):
+        def observe_tpot(self, rows, tpot_s):
+            seen.append((round(rows, 6), round(tpot_s, 6)))
+            super().observe_tpot(rows, tpot_s)
+
+    cm = _cost_model(["w0"])
+    router = _Router("m", BS, index=None, client=_FakeClient(cm), worker_lookup=lambda w: None, timeout_s=0.01)
+    pool = WorkerPool(PoolConfig(), router=router)
+    pool._ready.set()
+    pool.workers["w0"] = WorkerState("w0", None, info={"num_blocks": 64})
+    clock = types.SimpleNamespace(t=100.0)
+    fake_time = types.SimpleNamespace(monotonic=lambda: clock.t, perf_counter=lambda: clock.t)
+
+    def acquire(rid):
+        asyncio.run(pool.acquire(Request(rid, tuple(range(1, 40)), SamplingParams(max_tokens=21), tenant="t")))
+
+    def at(t, fn, *args, **kw):
+        clock.t = t
+        monkeypatch.setattr(pool_mod, "time", fake_time)
+        try:
+            fn(*args, **kw)
+        finally:
+            monkeypatch.undo()
+
+    for rid in ("a", "b", "c"):
+        acquire(rid)
+    at(100.0, pool.mark_started, "a", "recomputed", 0.5)  # a decodes alone for 2 s: 20 tokens
+    at(102.0, pool.release, "a", output_tokens=21)
+    at(110.0, pool.mark_started, "b", "recomputed", 0.5)  # b and c decode together for 4 s
+    at(110.0, pool.mark_started, "c", "recomputed", 0.5)
+    at(114.0, pool.release, "b", output_tokens=21)
+    at(114.0, pool.release, "c", output_tokens=21)
+    assert seen == [(1.0, 0.1), (2.0, 0.2), (2.0, 0.2)]
+    assert router.row_s > 0 and pool.workers["w0"].running == 0
+    for _ in range(40):  # many more alike: the slope nears 0.1 s per token per sequence
+        router.observe_tpot(1.0, 0.1)
+        router.observe_tpot(2.0, 0.2)
+    assert router.row_s == pytest.approx(0.1, rel=0.2)
+
+
 def test_a_hot_groups_copies_follow_its_share_of_the_traffic():
     """A group gets another holder while its share of the cluster's traffic is worth more than
     the holders it has (share x workers >= holders + 0.5): half the traffic of 4 workers, 2."""

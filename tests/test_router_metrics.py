@@ -25,8 +25,9 @@ def test_render_shows_routing_counts():
                                              "placements": {"match": 3, "place": 2},
                                              "routed": {"kv-w0": 4, "kv-w1": 1}, "bytes_pulled": 1024,
                                              "pull_failures": 0, "ttft_error": {},
-                                             "groups": {"kv-w0": 3, "kv-w1": 1}}).decode()
+                                             "groups": {"kv-w0": 3, "kv-w1": 1}, "decode_row_s": 0.03}).decode()
     assert _value(text, "kvmesh_router_decisions", kind="local") == 3
+    assert _value(text, "kvmesh_router_decode_row_seconds") == 0.03
     assert _value(text, "kvmesh_router_placements", kind="place") == 2
     assert _value(text, "kvmesh_router_routed", worker="kv-w0") == 4
     assert _value(text, "kvmesh_router_groups", worker="kv-w1") == 1
@@ -77,6 +78,8 @@ def test_metrics_over_http_show_router_decisions_with_two_workers(tmp_path):
                          if line.startswith("kvmesh_router_placements{"))
         assert placements == len(prompts)  # the cost-aware router placed every one
         assert _value(text, "kvmesh_router_bytes_pulled") is not None
+        # one request at a time: nothing decoded beside another, no contention measured
+        assert _value(text, "kvmesh_router_decode_row_seconds") == 0
         # each group stays on one worker (placement, not request order)
         assert len(set(workers[:3])) == 1 and len(set(workers[3:])) == 1
         # two groups, each on its worker (or both on one): the gauge counts them there
