@@ -582,6 +582,7 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "contention 2": ({"contention_weight": 2.0}, 0.0, "new"),
     "relief copies free": ({"relief_copy_weight": 0.0}, 0.0, "new"),
     "relief copy 0.5": ({"relief_copy_weight": 0.5}, 0.0, "new"),
+    "relief ignores fill": ({"relief_fill": False}, 0.0, "new"),
     "relief copy 1.5": ({"relief_copy_weight": 1.5}, 0.0, "new"),
     "relief copy 2": ({"relief_copy_weight": 2.0}, 0.0, "new"),
     "relief copy 3": ({"relief_copy_weight": 3.0}, 0.0, "new"),

@@ -281,6 +281,7 @@ class PlacementConfig:
     # steady``: hits 0.93 against 0.98). A short shared prefix (a chat's system prompt, a trace's
     # few blocks) costs little room and moves; a long one only off a much busier holder
     relief_copy_weight: float = 2.0
+    relief_fill: bool = True  # ... and the target's prefixes stay within ``prefix_fill`` after it
 
 
 TTFT_ONLY = PlacementConfig(spill_ratio=0.0, spill_abs_s=0.0, evict_weight=0.0, compute_weight=0.0)
@@ -602,7 +603,7 @@ def _relief_target(views: Sequence[WorkerView], best_h: WorkerView, eff: Mapping
 
     busy = _in_flight(best_h)
     room = [v for v in views if v.worker != best_h.worker and v.eviction[0] == 0 and _in_flight(v) < busy
-            and v.fits(usable_blocks - v.local_blocks, c.prefix_fill)]
+            and (not c.relief_fill or v.fits(usable_blocks - v.local_blocks, c.prefix_fill))]
     if not room:
         return None
     v = min(room, key=lambda v: (total(v), v.rank, v.worker))
