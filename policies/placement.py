@@ -598,15 +598,15 @@ def _relief_target(views: Sequence[WorkerView], best_h: WorkerView, eff: Mapping
         return None
 
     def total(v: WorkerView) -> float:
-        room = c.relief_copy_weight * block_charge * max(0, usable_blocks - v.local_blocks) if v is not best_h else 0.0
-        return eff[v.worker] + contention_s * _in_flight(v) + room
+        copy = c.relief_copy_weight * block_charge * max(0, usable_blocks - v.local_blocks) if v is not best_h else 0.0
+        return eff[v.worker] + contention_s * _in_flight(v) + copy
 
     busy = _in_flight(best_h)
-    room = [v for v in views if v.worker != best_h.worker and v.eviction[0] == 0 and _in_flight(v) < busy
-            and (not c.relief_fill or v.fits(usable_blocks - v.local_blocks, c.prefix_fill))]
-    if not room:
+    targets = [v for v in views if v.worker != best_h.worker and v.eviction[0] == 0 and _in_flight(v) < busy
+               and (not c.relief_fill or v.fits(usable_blocks - v.local_blocks, c.prefix_fill))]
+    if not targets:
         return None
-    v = min(room, key=lambda v: (total(v), v.rank, v.worker))
+    v = min(targets, key=lambda v: (total(v), v.rank, v.worker))
     held = total(best_h)
     return v if total(v) + max(c.spill_abs_s, c.tie_ratio * held) < held else None
 

@@ -185,7 +185,11 @@ class DecodeModel:
 
     Why it exists: a decode row makes every step on that worker longer, and a CPU step is not
     preemptible, so a busy holder answers later than its queue of prompts alone says; without
-    this term a hot prefix piles onto its holders while other workers idle."""
+    this term a hot prefix piles onto its holders while other workers idle.
+
+    The same slope fit serves the placement's decode contention (``cluster.routing.CostAwareRouter.rows``,
+    ``ROW_FIT_WEIGHT``): samples of (mean sequences decoding beside an ended request, its seconds per
+    output token)."""
 
     def __init__(self, prior_s: float = 0.0, weight: float = 16.0, window: int = 256, cap_s: float = 30.0):
         self.prior_s, self.weight, self.cap_s = max(0.0, prior_s), weight, cap_s
