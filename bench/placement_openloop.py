@@ -63,7 +63,7 @@ from bench.cluster_report import Point, equal_p99_ratio  # noqa: E402
 from bench.loadgen import percentile  # noqa: E402
 from bench.placement_sim import _Affinity, baseline_route  # noqa: E402
 from bench.workloads import (Oracle, TraceScale, Vocab, WorkItem, generate_mooncake, mooncake_items,  # noqa: E402
-                             multi_turn, shared_prefix)
+                             multi_tenant, multi_turn, shared_prefix)
 from engine.block_pool import BlockPool, extra_key, hash_blocks, prompt_chains  # noqa: E402
 from policies.eviction import TenantEvictionPolicy  # noqa: E402
 from policies.placement import Placer, PlacementConfig  # noqa: E402
@@ -106,7 +106,7 @@ def stages(rates: Sequence[float] = (0.4, 0.7, 1.0, 1.3), stage_s: float = 45.0,
            system_len: int = 512, question_len: int = 40, output_len: int = 16, seed: int = 0,
            hot: bool = False, steady: bool = False, warmup_stages: int = 1,
            order: Sequence[int] | None = None, chat: bool = False,
-           then_hot: Sequence[float] = (), trace: bool = False) -> list[Stage]:
+           then_hot: Sequence[float] = (), trace: bool = False, others: bool = False) -> list[Stage]:
     """One stage per rate, fresh groups each (``hot``: one group, users enough that no prompt
     repeats, as the bench's hot-prefix variant); Poisson arrivals over ``stage_s``. ``steady``:
     the bench's ``--sweep steady``: one set of groups walked through a warm-up stage at the first
@@ -127,7 +127,17 @@ def stages(rates: Sequence[float] = (0.4, 0.7, 1.0, 1.3), stage_s: float = 45.0,
     Mooncake trace of ``rate`` x ``stage_s`` requests at ``rate`` per second
     (``bench.workloads.generate_mooncake``, the generator of the bench's ``mooncake_small.jsonl``),
     read as the bench reads it (16 tokens per hash id, prompts of at most 1,024 tokens, at most
-    ``output_len`` output tokens); each stage in its own domain, so stages share no prefix."""
+    ``output_len`` output tokens); each stage in its own domain, so stages share no prefix.
+    ``others`` (with ``then_hot``): after the steady and hot series (warm-ups here), the bench's
+    other workloads in its order, each a stage on the caches the previous ones left: multi-turn
+    (rate 0.5), the multi-tenant mix (rate 0.8, three tenants in their own domains) and the
+    Mooncake trace (rate 4: 32 records at half their timestamps). Seed 0 sends the bench's own
+    items (``bench/cluster.py``'s seeds, ``bench/traces/mooncake_small.jsonl``), other seeds
+    fresh ones of the same shape."""
+    if others:
+        first = stages(rates, stage_s, groups, users, system_len, question_len, output_len, seed,
+                       warmup_stages=warmup_stages, order=order, then_hot=then_hot or (0.7, 1.3))
+        return [replace(st, warmup=True) for st in first] + other_stages(seed, output_len)
     if then_hot:
         first = stages(rates, stage_s, groups, users, system_len, question_len, output_len, seed,
                        steady=True, warmup_stages=warmup_stages, order=order)
@@ -200,6 +210,24 @@ def stages(rates: Sequence[float] = (0.4, 0.7, 1.0, 1.3), stage_s: float = 45.0,
             items.append(replace(it, at_s=t, group=f"s{k}{it.group}"))
         out.append(Stage(rate, tuple(items), stage_s))
     return out
+
+
+def other_stages(seed: int, output_len: int = 16) -> list[Stage]:
+    """The cluster bench's multi-turn, multi-tenant and trace workloads (``bench/cluster.py``'s
+    ``other_workloads``, without the template tenant's items), one stage each (see ``stages``)."""
+    k = seed * 7919
+    chat = multi_turn(sessions=6, turns=3, system_len=256, user_len=32, output_len=output_len, rate_per_s=0.5,
+                      think_s=4.0, seed=1 + k, tenant="bench")
+    mix = multi_tenant(requests=32, rate_per_s=0.8, output_len=output_len, seed=2 + k)
+    scale = TraceScale(tokens_per_hash=16, time_scale=0.5, max_requests=32, max_input_tokens=1024,
+                       max_output_tokens=output_len)
+    recs = (generate_mooncake(requests=32, seed=k + 6000) if seed else
+            [json.loads(line) for line in (ROOT / "bench/traces/mooncake_small.jsonl").read_text().splitlines()
+             if line.strip()])
+    trace = mooncake_items(recs, scale, tenant="bench")
+    return [Stage(rate, tuple(replace(it, group=f"{name}:{it.group or it.session}") for it in items),
+                  max(it.at_s for it in items))
+            for name, rate, items in (("chat", 0.5, chat), ("mix", 0.8, mix), ("trace", 4.0, trace))]
 
 
 @dataclass
@@ -583,6 +611,9 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "relief copies free": ({"relief_copy_weight": 0.0}, 0.0, "new"),
     "relief copy 0.5": ({"relief_copy_weight": 0.5}, 0.0, "new"),
     "relief ignores fill": ({"relief_fill": False}, 0.0, "new"),
+    "idle prefixes count": ({"prefix_idle_gaps": 0.0}, 0.0, "new"),  # before session 33: counted until evicted
+    "relief fill counts seeds": ({"relief_fill_seeds": True}, 0.0, "new"),  # before session 33
+    "fill as in s32": ({"prefix_idle_gaps": 0.0, "relief_fill_seeds": True}, 0.0, "new"),  # both of the above
     "relief copy 1.5": ({"relief_copy_weight": 1.5}, 0.0, "new"),
     "relief copy 2": ({"relief_copy_weight": 2.0}, 0.0, "new"),
     "relief copy 3": ({"relief_copy_weight": 3.0}, 0.0, "new"),
@@ -592,7 +623,7 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
 def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _cache: dict = {},
                 steady: bool = False, rates: Sequence[float] | None = None, stage_s: float = 45.0,
                 warmup_stages: int = 1, order: Sequence[int] | None = None, chat: bool = False,
-                then_hot: Sequence[float] = (), trace: bool = False) -> list[dict]:
+                then_hot: Sequence[float] = (), trace: bool = False, others: bool = False) -> list[dict]:
     """``name``: a router, a ``VARIANTS`` key, or either with ``+learn`` (the decode term learned)."""
     base, learn = (name[: -len("+learn")], True) if name.endswith("+learn") else (name, False)
     fields, decode_s, kind = VARIANTS[base] if base in VARIANTS else ({}, 0.0, "new")
@@ -607,7 +638,8 @@ def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _ca
     rows = []
     for seed in seeds:
         run = stages(rates or (0.4, 0.7, 1.0, 1.3), stage_s=stage_s, seed=seed, hot=hot, steady=steady,
-                     warmup_stages=warmup_stages, order=order, chat=chat, then_hot=then_hot, trace=trace)
+                     warmup_stages=warmup_stages, order=order, chat=chat, then_hot=then_hot, trace=trace,
+                     others=others)
         res = simulate(run, router, replace(cfg, seed=seed, **engines), legacy_cfg(**fields),
                        decode_s, placer_cls, learn_decode=learn)
         rows.append({"seed": seed, **res})
@@ -686,13 +718,15 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default=",".join([*ROUTERS[1:], *VARIANTS]),
                     help=f"comma list of {list(VARIANTS)} and baseline routers {ROUTERS[1:]}")
     ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--workload", choices=("shared", "hot", "closed", "steady", "chat", "steady_hot", "trace"),
+    ap.add_argument("--workload", choices=("shared", "hot", "closed", "steady", "chat", "steady_hot", "trace", "others"),
                     default="shared",
                     help="shared: the cluster bench's stages; hot: one group; chat: multi-turn sessions sharing a "
                          "system prompt; closed: placement_sim's defaults; "
                          "steady: the bench's --sweep steady (one set of groups through a warm-up and every rate); "
                          "steady_hot: steady, then the bench's hot-prefix series (--hot-rates), only the latter scored; "
-                         "trace: a synthetic Mooncake trace per stage, read as the bench reads its trace")
+                         "trace: a synthetic Mooncake trace per stage, read as the bench reads its trace; "
+                         "others: steady and hot (warm-ups), then the bench's multi-turn (@0.5), multi-tenant "
+                         "(@0.8) and trace (@4.0) on the caches they left, as the bench runs them")
     ap.add_argument("--hot-rates", default="0.7,1.3", help="steady_hot: the hot series' rates (the bench's default)")
     ap.add_argument("--rates", default=None, help="offered rates (req/s), comma separated")
     ap.add_argument("--stage-s", type=float, default=45.0,
@@ -737,11 +771,11 @@ def main(argv=None) -> None:
             continue
         rates = [float(x) for x in a.rates.split(",")] if a.rates else None
         agg = aggregate(run_variant(name, range(a.seeds), a.workload == "hot", cfg,
-                                    steady=a.workload in ("steady", "steady_hot"),
+                                    steady=a.workload in ("steady", "steady_hot"), others=a.workload == "others",
                                     rates=rates, stage_s=a.stage_s, warmup_stages=a.warmup_stages,
                                     chat=a.workload == "chat", trace=a.workload == "trace",
                                     then_hot=[float(x) for x in a.hot_rates.split(",")]
-                                    if a.workload == "steady_hot" else (),
+                                    if a.workload in ("steady_hot", "others") else (),
                                     order=json.loads(Path(a.ipperf_order).read_text()) if a.ipperf_order else None))
         res[name] = agg
         pr = agg["per_rate"]

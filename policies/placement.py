@@ -104,7 +104,9 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     holder's. The room charge keeps long prefixes home: copies of the steady sweep's 34-block groups
     made in its warm-up filled the pools (replayed: hits 0.93 against 0.98) while a trace's or a
     chat's few blocks move (``bench/placement_openloop.py --workload trace``: 2.19 against 2.01
-    req/s at 2.4 offered, latency p90 6.2 against 12.8 s; power of two choices 2.16 and 7.4).
+    req/s at 2.4 offered, latency p90 6.2 against 12.8 s; power of two choices 2.16 and 7.4). The
+    room check leaves out new groups' first prompts (``relief_fill_seeds``): a guess at a group
+    does not keep a busy holder's request off an idle worker.
   * **decoding sequences move groups, they do not place them.** The cost model's decode term
     (``Candidate.decode_wait_s``, learned per worker when ``CostConfig.learn_decode``) is how much
     longer a busy worker's steps make a new request wait. It counts in the holder rules above: a
@@ -123,7 +125,10 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     prefills of the fastest. A worker whose pool its groups' prefixes fill evicts their tails for
     its own requests' blocks, for as long as those groups live (the cluster bench, session 24: a
     worker given a 4th 512-token group in a 2,048-token pool served 96-304 of 512 prefix tokens
-    from cache; such runs read kvmesh / affinity 0.46-0.84).
+    from cache; such runs read kvmesh / affinity 0.46-0.84). A prefix left unasked for
+    ``prefix_idle_gaps`` x its mean interval between uses (at least ``prefix_seed_s``) no longer
+    counts: its workload moved on, and a pool holding a finished workload's prefixes would
+    otherwise be barred from new work for as long as nothing evicts them.
   * ties within ``tie_ratio``/``tie_abs_s`` of the best TTFT (for a new prefix, also within
     ``place_tie`` x its own prefill: where a group lands decides where its later requests go, so
     a host 10% faster now is worth less than balance) are broken by headroom: fewest warm
@@ -149,6 +154,7 @@ p(reuse) 1 and no held-elsewhere discount every warm eviction is charged a full 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import itertools
 import math
 from collections import Counter, OrderedDict, deque
@@ -262,6 +268,14 @@ class PlacementConfig:
     # of prefixes. Longer than ``warm_s``: a group's second request may come minutes after its
     # first at low rates (the cluster bench's warm-up: 12 groups in 52-70 s, ~2 requests each)
     prefix_seed_s: float = 120.0
+    # ... and a prefix not asked for in this many times its mean interval between uses (at least
+    # ``prefix_seed_s``, as long as a new group's first prompt counts) no longer counts: its
+    # workload moved on. Counted until evicted, a finished workload's prefixes bar a pool from new
+    # groups, so it gets no traffic that would evict them, for as long as the cluster runs. In the
+    # cluster bench's order (``bench/placement_openloop.py --workload others``, 20 seeds) it moves
+    # the multi-tenant mix's TTFT p90 from 3.5 to 3.1 s; the steady sweep is identical. 0: a prefix
+    # counts until it is evicted
+    prefix_idle_gaps: float = 4.0
     # a request's decoding shares every step with the other sequences in flight on its worker: each
     # makes its steps longer and it makes theirs longer, so a busy holder costs more than its TTFT
     # says (measured on the cluster bench's trace and chat workloads, sessions 24-31: kvmesh kept
@@ -282,6 +296,15 @@ class PlacementConfig:
     # few blocks) costs little room and moves; a long one only off a much busier holder
     relief_copy_weight: float = 2.0
     relief_fill: bool = True  # ... and the target's prefixes stay within ``prefix_fill`` after it
+    # ... counting new groups' first prompts (``ShadowCache._seeded``) too. Not by default: a new
+    # group's first prompt counts as a prefix for ``prefix_seed_s`` so that placement keeps room
+    # for its later requests, but a busy holder's request is not kept off an idle worker for a
+    # guess. The cluster bench's trace comes right after its multi-tenant mix, 28 prefixes of
+    # which most are asked for once or twice: their seeds filled one worker's pool past the line
+    # (116-120 blocks of 128, session 32) and it got none of the trace while three decoded 5-9
+    # sequences each. Replayed (``bench/placement_openloop.py --workload others``, 20 seeds): the
+    # trace 2.42 req/s against 2.12 with seeds counted (pow2 2.33), the steady sweep identical
+    relief_fill_seeds: bool = False
 
 
 TTFT_ONLY = PlacementConfig(spill_ratio=0.0, spill_abs_s=0.0, evict_weight=0.0, compute_weight=0.0)
@@ -296,25 +319,31 @@ def _private(key: Hashable) -> bool:
 
 class ShadowCache:
     """The router's model of one worker's prefix cache: block keys in LRU order (oldest first),
-    each with the time it was first routed there and last used; at most ``capacity`` keys."""
+    each with the time it was first routed there, last used, and how often used; at most
+    ``capacity`` keys."""
 
     _anon = itertools.count()
 
     def __init__(self, capacity_blocks: int, on_evict: Callable[[Hashable, float, float], None] | None = None,
-                 seed_s: float = 120.0):
+                 seed_s: float = 120.0, idle_gaps: float = 4.0, idle_floor_s: float = 30.0):
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
         self.capacity = capacity_blocks
-        self._lru: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()  # key -> (inserted, last used)
+        self._lru: OrderedDict[Hashable, tuple[float, float, int]] = OrderedDict()  # key -> (inserted, last used, uses)
         self.shared = 0  # keys a later prompt may ask for (not private): the prefixes it holds
         # of those, the keys that are a prefix (``prefix_blocks``): asked for by a second request
         # (``_prefix``), or routed by a prompt that matched nothing here, a new group's first request,
         # for ``seed_s`` after it (``_seeded``: key -> that time; a prompt nobody repeats within it
         # was a one-off, not a prefix); not the new tail blocks of a prompt that matched (a user's
         # question: asked for once, then cold)
-        self._prefix: set[Hashable] = set()
+        self._prefix: dict[Hashable, float] = {}  # key -> when it goes idle (see ``_idle_at``)
         self._seeded: OrderedDict[Hashable, float] = OrderedDict()
         self.seed_s = seed_s
+        # a prefix left unasked for ``idle_gaps`` x its mean interval between uses (at least
+        # ``idle_floor_s``) is idle: its workload moved on (``prefix_blocks`` leaves it out); 0: never
+        self.idle_gaps, self.idle_floor_s = idle_gaps, idle_floor_s
+        self._idle: set[Hashable] = set()  # prefix keys past their idle time, found lazily
+        self._idle_heap: list[tuple[float, int, Hashable]] = []  # (idle time, tie-break, key), stale entries too
         self.evicted = 0
         self.on_evict = on_evict  # (key, its last use, now) for every key the LRU drops
 
@@ -339,33 +368,76 @@ class ShadowCache:
         for _ in range(private_blocks):
             self._put((_PRIVATE, next(self._anon)), now)
         for key in reversed(chain):
-            if key in self._lru:
-                self._prefix.add(key)
-                self._seeded.pop(key, None)
-            elif seed:
+            known = key in self._lru
+            if not known and seed:
                 self._seeded[key] = now
             self._put(key, now)
+            if known:
+                self._seeded.pop(key, None)
+                self._mark_prefix(key, self._idle_at(self._lru[key], now))
+
+    def _idle_at(self, entry: tuple[float, float, int], now: float) -> float:
+        """When a prefix used at ``now`` goes idle: ``idle_gaps`` x its mean interval between uses
+        after ``now``, at least ``idle_floor_s`` (a group asked for every few seconds that stops for
+        a minute has moved on; one asked for every minute has not)."""
+        inserted, _, uses = entry
+        if self.idle_gaps <= 0:
+            return math.inf
+        return now + max(self.idle_floor_s, self.idle_gaps * (now - inserted) / max(1, uses - 1))
+
+    def _mark_prefix(self, key: Hashable, idle_at: float) -> None:
+        self._prefix[key] = idle_at
+        self._idle.discard(key)
+        if idle_at < math.inf:
+            heapq.heappush(self._idle_heap, (idle_at, next(self._anon), key))
+            if len(self._idle_heap) > 4 * len(self._prefix) + 64:  # drop superseded entries
+                self._idle_heap = [(t, i, k) for t, i, k in self._idle_heap if self._prefix.get(k) == t]
+                heapq.heapify(self._idle_heap)
 
     def prefix_blocks(self, now: float) -> int:
-        """Blocks of prefixes it holds that prompts share at ``now`` (see ``_prefix``): what a new
-        group's prefix competes with for room (``WorkerView.fits``)."""
+        """Blocks of prefixes it holds that prompts share at ``now`` (see ``_prefix``), less the
+        idle ones (``idle_gaps``): what a new group's prefix competes with for room
+        (``WorkerView.fits``)."""
         while self._seeded:
             key, at = next(iter(self._seeded.items()))
             if at >= now - self.seed_s:
                 break
             del self._seeded[key]
-        return len(self._prefix) + len(self._seeded)
+        while self._idle_heap and self._idle_heap[0][0] <= now:
+            at, _, key = heapq.heappop(self._idle_heap)
+            if self._prefix.get(key) == at:
+                self._idle.add(key)
+        return len(self._prefix) - len(self._idle) + len(self._seeded)
+
+    @property
+    def seeded_blocks(self) -> int:
+        """Of ``prefix_blocks`` (as of its last call), those a new group's first prompt brought."""
+        return len(self._seeded)
+
+    def resized(self, capacity_blocks: int) -> "ShadowCache":
+        """A copy with another capacity: the most recently used keys that fit, with their history."""
+        fresh = ShadowCache(capacity_blocks, self.on_evict, self.seed_s, self.idle_gaps, self.idle_floor_s)
+        for k, v in self._lru.items():  # in LRU order: the oldest overflow, as they would have
+            fresh._put(k, v[1])
+            fresh._lru[k] = v
+        for k, at in self._prefix.items():
+            if k in fresh._lru:
+                fresh._mark_prefix(k, at)
+        fresh._idle = {k for k in self._idle if k in fresh._lru}
+        fresh._seeded = OrderedDict((k, t) for k, t in self._seeded.items() if k in fresh._lru)
+        return fresh
 
     def _forget(self, key: Hashable) -> None:
-        self._prefix.discard(key)
+        self._prefix.pop(key, None)
+        self._idle.discard(key)
         self._seeded.pop(key, None)
 
     def _put(self, key: Hashable, now: float) -> None:
         old = self._lru.pop(key, None)
-        self._lru[key] = (old[0] if old else now, now)
+        self._lru[key] = (old[0], now, old[2] + 1) if old else (now, now, 1)
         self.shared += old is None and not _private(key)
         while len(self._lru) > self.capacity:
-            gone, (_, used) = self._lru.popitem(last=False)
+            gone, (_, used, _) = self._lru.popitem(last=False)
             self.shared -= not _private(gone)
             self._forget(gone)
             self.evicted += 1
@@ -393,7 +465,7 @@ class ShadowCache:
         if need <= 0:
             return 0, 0, float(need)
         warm, newest = 0, float("-inf")
-        for key, (_, used) in itertools.islice(self._lru.items(), min(need, len(self._lru))):
+        for key, (_, used, _) in itertools.islice(self._lru.items(), min(need, len(self._lru))):
             warm += (used > now - warm_s and not _private(key)
                      and not (held_elsewhere is not None and held_elsewhere(key)))
             newest = max(newest, used)
@@ -493,11 +565,14 @@ class WorkerView:
     prefix_blocks: int = 0  # of its shared blocks, those of prefixes prompts share (``ShadowCache.prefix_blocks``)
     capacity: int = 0  # its pool in blocks (its shadow cache's); 0: unknown
     queued: int = 0  # prompts routed there without a first token yet (queued or prefilling); 0: unknown
+    seeded_blocks: int = 0  # of ``prefix_blocks``, those only a new group's first prompt brought (not yet asked again)
 
-    def fits(self, new_blocks: int, fill: float) -> bool:
-        """Whether ``new_blocks`` more prefix blocks keep its prefixes within ``fill`` of its pool
-        (``PlacementConfig.prefix_fill``); True when the pool's size is unknown or ``fill`` >= 1."""
-        return fill >= 1.0 or self.capacity <= 0 or self.prefix_blocks + max(0, new_blocks) <= fill * self.capacity
+    def fits(self, new_blocks: int, fill: float, seeds: bool = True) -> bool:
+        """Whether ``new_blocks`` more prefix blocks keep its prefixes (``seeds``: with those only
+        seeded) within ``fill`` of its pool (``PlacementConfig.prefix_fill``); True when the pool's
+        size is unknown or ``fill`` >= 1."""
+        held = self.prefix_blocks - (0 if seeds else self.seeded_blocks)
+        return fill >= 1.0 or self.capacity <= 0 or held + max(0, new_blocks) <= fill * self.capacity
 
     @property
     def reused(self) -> int:
@@ -603,7 +678,7 @@ def _relief_target(views: Sequence[WorkerView], best_h: WorkerView, eff: Mapping
 
     busy = _in_flight(best_h)
     targets = [v for v in views if v.worker != best_h.worker and v.eviction[0] == 0 and _in_flight(v) < busy
-               and (not c.relief_fill or v.fits(usable_blocks - v.local_blocks, c.prefix_fill))]
+               and (not c.relief_fill or v.fits(usable_blocks - v.local_blocks, c.prefix_fill, c.relief_fill_seeds))]
     if not targets:
         return None
     v = min(targets, key=lambda v: (total(v), v.rank, v.worker))
@@ -774,13 +849,10 @@ class Placer:
     def shadow(self, worker: WorkerId, capacity_blocks: int | None = None) -> ShadowCache:
         s = self.shadows.get(worker)
         if s is None or (capacity_blocks and s.capacity != capacity_blocks):
-            fresh = ShadowCache(capacity_blocks or self.default_capacity, self.reuse.evicted, self.config.prefix_seed_s)
-            if s is not None:
-                for k, v in s._lru.items():
-                    fresh._put(k, v[1])
-                fresh._prefix = {k for k in s._prefix if k in fresh._lru}
-                fresh._seeded = OrderedDict((k, t) for k, t in s._seeded.items() if k in fresh._lru)
-            s = self.shadows[worker] = fresh
+            c = self.config
+            s = self.shadows[worker] = s.resized(capacity_blocks) if s is not None else ShadowCache(
+                capacity_blocks or self.default_capacity, self.reuse.evicted, c.prefix_seed_s, c.prefix_idle_gaps,
+                c.prefix_seed_s)
         return s
 
     def remove(self, worker: WorkerId) -> None:
@@ -909,7 +981,7 @@ class Placer:
             out.append(WorkerView(w, ttft, have, cost, loads.get(w, 0.0), order[w], cand, reused,
                                   self.group_share(w, groups or {key}, now), wait, shadow.shared,
                                   (running or {}).get(w, 0), shadow.prefix_blocks(now), shadow.capacity,
-                                  (queued or {}).get(w, 0)))
+                                  (queued or {}).get(w, 0), shadow.seeded_blocks))
         return out
 
     def count_routed(self, worker: WorkerId, key: bytes, now: float) -> None:

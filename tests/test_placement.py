@@ -522,8 +522,9 @@ def test_a_busy_holder_of_a_short_prefix_is_relieved_by_a_worker_with_room():
     request in flight costs 2 x 0.03 s x 15 output tokens = 0.9 s of decoding (the request's own
     and theirs), so the request goes where nothing decodes ("relieve"), paying the copy's room (2 x
     the prompt's 0.6 s prefill / 6 blocks per block added). Not with the term unknown, not onto a
-    worker that would evict warm blocks or holds as many requests, and not for a long prefix,
-    whose copy takes much room."""
+    worker that would evict warm blocks, holds as many requests or has its pool filled with
+    prefixes (those a new group's first prompt brought count only with ``relief_fill_seeds``),
+    and not for a long prefix, whose copy takes much room."""
     holder = WorkerView("w0", 0.6, 5, (0, 0, -50.0), running=3, queued=1, load=40.0)
     roomy = WorkerView("w1", 0.7, 0, (0, 0, -80.0), capacity=128, prefix_blocks=10,
                        candidate=Candidate("w1", "pulled", 0.7, 0.0, 0.6, 0.1, 0, 80))
@@ -535,6 +536,11 @@ def test_a_busy_holder_of_a_short_prefix_is_relieved_by_a_worker_with_room():
     for other in (replace(roomy, eviction=(2, 1, -5.0)), replace(roomy, running=4),
                   replace(roomy, prefix_blocks=120)):  # warm victims; as busy; no room for the copy
         assert choose([holder, other], 6, 0.6, contention_s=contention).kind == "match"
+    # a pool full of new groups' first prompts (seeded, not asked for again) is no bar
+    seeded = replace(roomy, prefix_blocks=120, seeded_blocks=110)
+    assert choose([holder, seeded], 6, 0.6, contention_s=contention).kind == "relieve"
+    assert choose([holder, seeded], 6, 0.6, PlacementConfig(relief_fill_seeds=True),
+                  contention_s=contention).kind == "match"
     # fewer requests in flight on the holder: the copy's room outweighs one request's contention
     assert choose([replace(holder, running=1, queued=0, load=0.0), roomy], 6, 0.6, contention_s=contention).kind == "match"
     # the steady sweep's 34-block prefix (3.3 s prefill): its copy's room (6.6 s) outweighs 4 in flight
@@ -1219,8 +1225,9 @@ def test_the_shadow_counts_prefixes_not_the_questions_asked_once():
     """``ShadowCache.prefix_blocks``: a new group's first prompt counts whole; a later prompt of
     the group adds only its matched blocks (already counted), not its new tail (a user's question,
     asked once), unless a later prompt asks for that tail too; a first prompt nobody repeats stops
-    counting ``seed_s`` after it (a one-off); eviction and reconcile drop them."""
-    s = ShadowCache(64, seed_s=30.0)
+    counting ``seed_s`` after it (a one-off); eviction and reconcile drop them (idling is off
+    here: the next test)."""
+    s = ShadowCache(64, seed_s=30.0, idle_gaps=0)
     system = [b"s%d" % i for i in range(8)]
     s.touch(system + [b"q0"], private_blocks=1, now=0.0)
     assert s.prefix_blocks(0.0) == 9 and s.shared == 9
@@ -1240,6 +1247,51 @@ def test_the_shadow_counts_prefixes_not_the_questions_asked_once():
     small.touch(system, private_blocks=0, now=0.0)
     small.touch([b"x%d" % i for i in range(6)], private_blocks=0, now=1.0)  # evicts 4 of system
     assert small.prefix_blocks(1.0) == 10 and len(small) == 10
+
+
+def test_a_prefix_left_unasked_for_several_of_its_intervals_stops_counting():
+    """``idle_gaps``: a prefix asked for every 2 s stops counting ``idle_floor_s`` after its last
+    use; one asked for every 60 s still counts 100 s after its last use (4 x 60 s have not passed)
+    and stops after 240 s; a prefix asked for again counts again; a resized copy keeps the clock."""
+    s = ShadowCache(64, seed_s=10.0, idle_gaps=4.0, idle_floor_s=30.0)
+    burst, slow = [b"b%d" % i for i in range(4)], [b"s%d" % i for i in range(6)]
+    for t in range(0, 12, 2):
+        s.touch(burst, 0, now=float(t))
+    s.touch(slow, 0, now=0.0)
+    assert s.prefix_blocks(39.9) == 4  # the burst within its floor; the slow one's seed lapsed (seed_s)
+    s.touch(slow, 0, now=60.0)
+    assert s.prefix_blocks(60.0) == 6  # the burst idled at 10 + 30 s
+    s.touch(slow, 0, now=120.0)
+    assert s.prefix_blocks(220.0) == 6  # the slow one, 100 s after its last use
+    s.touch(burst, 0, now=221.0)  # asked for again
+    assert s.prefix_blocks(221.0) == 10
+    big = s.resized(128)
+    assert big.prefix_blocks(221.0) == 10 and big.prefix_blocks(360.1) == 4  # the slow one idles at 120 + 4 x 60
+    assert ShadowCache(64, idle_gaps=0).prefix_blocks(0.0) == 0
+
+
+def test_a_pool_full_of_a_finished_workloads_prefixes_takes_new_groups():
+    """The fill guard (``prefix_fill``) counts prefixes still in use: a worker whose pool holds
+    prefixes idle for many of their intervals is as open to a new group as an empty one, while
+    with ``prefix_idle_gaps`` 0 it is barred for as long as they stay cached."""
+    def placed(gaps: float) -> str:
+        placer = Placer(PlacementConfig(prefix_idle_gaps=gaps))
+        for w in ("w0", "w1"):
+            placer.shadow(w, 40)
+        old = [b"o%d" % i for i in range(34)]
+        for t in range(0, 20, 2):  # a busy group, on w0
+            placer.commit("w0", old, 0, now=float(t))
+        placer.commit("w1", [b"n%d" % i for i in range(8)], 0, now=0.0)
+        placer.commit("w1", [b"n%d" % i for i in range(8)], 0, now=1.0)
+        prompt = list(range(200))
+        chain = [b"x%d" % i for i in range(12)]
+        ranking = [Candidate("w0", "recomputed", 1.0, 0.0, 1.0, 0.0, 0, 0),
+                   Candidate("w1", "recomputed", 1.6, 0.6, 1.0, 0.0, 0, 0)]
+        return placer.decide(prompt, 16, 16, {"d": chain}, "d", {}, ["w0", "w1"], {"w0": 0.0, "w1": 0.0},
+                             ranking, now=300.0).worker
+
+    assert placed(4.0) == "w0"  # the idle group does not count: w0 is the faster worker
+    assert placed(0.0) == "w1"  # counted, it fills w0 past prefix_fill
 
 
 def test_a_placer_stops_counting_one_off_prompts_as_prefixes_after_prefix_seed_s():

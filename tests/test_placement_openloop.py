@@ -153,3 +153,42 @@ def test_a_busy_holder_sheds_decoding_to_idle_workers_when_contention_is_measure
     assert on["decisions"].get("relieve", 0) > 0 and off["decisions"].get("relieve", 0) == 0
     assert on["stages"][0]["latency_p90"] < off["stages"][0]["latency_p90"]
     assert on["hit_vs_oracle"] > 0.8
+
+
+def test_the_other_workloads_run_in_the_benchs_order_on_the_caches_left_before_them():
+    """--workload others: the steady sweep and the hot series as warm-ups, then multi-turn, the
+    multi-tenant mix and the trace, one scored stage each; seed 0 sends the bench's own items (its
+    trace file's first 32 records at half their timestamps), other seeds fresh ones."""
+    import json
+    from pathlib import Path
+
+    order = json.loads((Path(__file__).resolve().parents[1] / "bench/traces/ipperf_order_default.json").read_text())
+    run = stages((0.5, 1.0), stage_s=30.0, seed=0, warmup_stages=4, order=order, others=True)
+    scored = [st for st in run if not st.warmup]
+    assert [st.rate for st in scored] == [0.5, 0.8, 4.0] and len(run) > 3
+    chat, mix, trace = scored
+    assert len(chat.items) == 18 and {it.domain for it in chat.items} == {"bench"}
+    assert len(mix.items) == 32 and {it.tenant for it in mix.items} == {"acme", "globex", "initech"}
+    assert len(trace.items) == 32 and trace.items[-1].at_s == pytest.approx((15.600 - 0.259) * 0.5)
+    other = [st for st in stages((0.5, 1.0), stage_s=30.0, seed=1, warmup_stages=4, order=order, others=True)
+             if not st.warmup][2]
+    assert [it.prompt_ids for it in other.items] != [it.prompt_ids for it in trace.items]
+
+
+def test_a_pool_the_mixs_first_prompts_fill_still_takes_the_traces_relief():
+    """The bench's order, seed 0: the multi-tenant mix leaves one worker's pool full of its
+    prefixes' first prompts (seeded, 116 blocks of 128), and the trace comes next. Counting those
+    against a relief copy (``relief_fill_seeds``, as before session 33) leaves that worker without
+    a single trace request while the others decode; not counting them, all four serve it."""
+    import json
+    from pathlib import Path
+
+    from policies.placement import PlacementConfig
+
+    order = json.loads((Path(__file__).resolve().parents[1] / "bench/traces/ipperf_order_default.json").read_text())
+    run = stages((0.5, 1.0, 2.0, 3.0), stage_s=30.0, seed=0, warmup_stages=4, order=order, others=True)
+    cfg = OpenConfig(step_s=0.17, row_s=0.03, token_s=0.006)
+    new = simulate(run, "kvmesh", cfg, PlacementConfig(), learn_decode=True)["stages"][-1]
+    old = simulate(run, "kvmesh", cfg, PlacementConfig(relief_fill_seeds=True, prefix_idle_gaps=0.0),
+                   learn_decode=True)["stages"][-1]
+    assert len(old["per_worker"]) == 3 and len(new["per_worker"]) == 4
