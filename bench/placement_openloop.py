@@ -611,9 +611,7 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "relief copies free": ({"relief_copy_weight": 0.0}, 0.0, "new"),
     "relief copy 0.5": ({"relief_copy_weight": 0.5}, 0.0, "new"),
     "relief ignores fill": ({"relief_fill": False}, 0.0, "new"),
-    "idle prefixes count": ({"prefix_idle_gaps": 0.0}, 0.0, "new"),  # before session 33: counted until evicted
-    "relief fill counts seeds": ({"relief_fill_seeds": True}, 0.0, "new"),  # before session 33
-    "fill as in s32": ({"prefix_idle_gaps": 0.0, "relief_fill_seeds": True}, 0.0, "new"),  # both of the above
+    "quiet domains count": ({"domain_idle_gaps": 0.0}, 0.0, "new"),  # before session 33: a tenant's prefixes count while it is silent
     "relief copy 1.5": ({"relief_copy_weight": 1.5}, 0.0, "new"),
     "relief copy 2": ({"relief_copy_weight": 2.0}, 0.0, "new"),
     "relief copy 3": ({"relief_copy_weight": 3.0}, 0.0, "new"),

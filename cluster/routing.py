@@ -242,7 +242,7 @@ class CostAwareRouter:
             copy = (Pull(first.holder, first.holder_node, 0, first.end_block), *pulls[1:])
             log.info("replicating a hot prefix (%d blocks) to %s", pulls[-1].end_block, wid)
             ws.actor.prefetch.remote(request, copy)
-            self.placer.commit(wid, chains[request.domain][:pulls[-1].end_block], 0, now)
+            self.placer.commit(wid, chains[request.domain][:pulls[-1].end_block], 0, now, request.domain)
 
     def forget_published(self) -> None:
         """Resend every load with the next ranking (the router actor restarted empty)."""

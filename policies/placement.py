@@ -104,9 +104,7 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     holder's. The room charge keeps long prefixes home: copies of the steady sweep's 34-block groups
     made in its warm-up filled the pools (replayed: hits 0.93 against 0.98) while a trace's or a
     chat's few blocks move (``bench/placement_openloop.py --workload trace``: 2.19 against 2.01
-    req/s at 2.4 offered, latency p90 6.2 against 12.8 s; power of two choices 2.16 and 7.4). The
-    room check leaves out new groups' first prompts (``relief_fill_seeds``): a guess at a group
-    does not keep a busy holder's request off an idle worker.
+    req/s at 2.4 offered, latency p90 6.2 against 12.8 s; power of two choices 2.16 and 7.4).
   * **decoding sequences move groups, they do not place them.** The cost model's decode term
     (``Candidate.decode_wait_s``, learned per worker when ``CostConfig.learn_decode``) is how much
     longer a busy worker's steps make a new request wait. It counts in the holder rules above: a
@@ -125,10 +123,10 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     prefills of the fastest. A worker whose pool its groups' prefixes fill evicts their tails for
     its own requests' blocks, for as long as those groups live (the cluster bench, session 24: a
     worker given a 4th 512-token group in a 2,048-token pool served 96-304 of 512 prefix tokens
-    from cache; such runs read kvmesh / affinity 0.46-0.84). A prefix left unasked for
-    ``prefix_idle_gaps`` x its mean interval between uses (at least ``prefix_seed_s``) no longer
-    counts: its workload moved on, and a pool holding a finished workload's prefixes would
-    otherwise be barred from new work for as long as nothing evicts them.
+    from cache; such runs read kvmesh / affinity 0.46-0.84). The prefixes of a domain (a tenant's
+    prompts) that sent nothing for ``domain_idle_gaps`` x its mean interval between requests do
+    not count (``DomainActivity``): a tenant that stopped sending reserves no room, or its worker
+    would be barred from new work for as long as nothing evicts them.
   * ties within ``tie_ratio``/``tie_abs_s`` of the best TTFT (for a new prefix, also within
     ``place_tie`` x its own prefill: where a group lands decides where its later requests go, so
     a host 10% faster now is worth less than balance) are broken by headroom: fewest warm
@@ -154,12 +152,11 @@ p(reuse) 1 and no held-elsewhere discount every warm eviction is charged a full 
 from __future__ import annotations
 
 import hashlib
-import heapq
 import itertools
 import math
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, replace
-from typing import Callable, Hashable, Literal, Mapping, Sequence
+from typing import Callable, Collection, Hashable, Literal, Mapping, Sequence
 
 from policies.routing import Candidate, WorkerId
 
@@ -268,14 +265,15 @@ class PlacementConfig:
     # of prefixes. Longer than ``warm_s``: a group's second request may come minutes after its
     # first at low rates (the cluster bench's warm-up: 12 groups in 52-70 s, ~2 requests each)
     prefix_seed_s: float = 120.0
-    # ... and a prefix not asked for in this many times its mean interval between uses (at least
-    # ``prefix_seed_s``, as long as a new group's first prompt counts) no longer counts: its
-    # workload moved on. Counted until evicted, a finished workload's prefixes bar a pool from new
-    # groups, so it gets no traffic that would evict them, for as long as the cluster runs. In the
-    # cluster bench's order (``bench/placement_openloop.py --workload others``, 20 seeds) it moves
-    # the multi-tenant mix's TTFT p90 from 3.5 to 3.1 s; the steady sweep is identical. 0: a prefix
-    # counts until it is evicted
-    prefix_idle_gaps: float = 4.0
+    # ... and the prefixes of a domain (a tenant's prompts) that sent nothing for this many times
+    # its mean interval between requests (an average over its last few; at least
+    # ``domain_idle_min`` requests seen) do not count: a tenant that stopped sending reserves no
+    # room. Its prefixes stay cached, and count again with its next request. The cluster bench's
+    # trace comes seconds after its multi-tenant mix, whose 28 prefixes (most asked for once or
+    # twice) filled one worker past the fill line (116-120 blocks of 128, session 32): that worker
+    # got none of the trace while three decoded 5-9 sequences each. 0: off
+    domain_idle_gaps: float = 4.0
+    domain_idle_min: int = 4
     # a request's decoding shares every step with the other sequences in flight on its worker: each
     # makes its steps longer and it makes theirs longer, so a busy holder costs more than its TTFT
     # says (measured on the cluster bench's trace and chat workloads, sessions 24-31: kvmesh kept
@@ -296,15 +294,6 @@ class PlacementConfig:
     # few blocks) costs little room and moves; a long one only off a much busier holder
     relief_copy_weight: float = 2.0
     relief_fill: bool = True  # ... and the target's prefixes stay within ``prefix_fill`` after it
-    # ... counting new groups' first prompts (``ShadowCache._seeded``) too. Not by default: a new
-    # group's first prompt counts as a prefix for ``prefix_seed_s`` so that placement keeps room
-    # for its later requests, but a busy holder's request is not kept off an idle worker for a
-    # guess. The cluster bench's trace comes right after its multi-tenant mix, 28 prefixes of
-    # which most are asked for once or twice: their seeds filled one worker's pool past the line
-    # (116-120 blocks of 128, session 32) and it got none of the trace while three decoded 5-9
-    # sequences each. Replayed (``bench/placement_openloop.py --workload others``, 20 seeds): the
-    # trace 2.42 req/s against 2.12 with seeds counted (pow2 2.33), the steady sweep identical
-    relief_fill_seeds: bool = False
 
 
 TTFT_ONLY = PlacementConfig(spill_ratio=0.0, spill_abs_s=0.0, evict_weight=0.0, compute_weight=0.0)
@@ -319,31 +308,29 @@ def _private(key: Hashable) -> bool:
 
 class ShadowCache:
     """The router's model of one worker's prefix cache: block keys in LRU order (oldest first),
-    each with the time it was first routed there, last used, and how often used; at most
-    ``capacity`` keys."""
+    each with the time it was first routed there and last used; at most ``capacity`` keys."""
 
     _anon = itertools.count()
 
     def __init__(self, capacity_blocks: int, on_evict: Callable[[Hashable, float, float], None] | None = None,
-                 seed_s: float = 120.0, idle_gaps: float = 4.0, idle_floor_s: float = 30.0):
+                 seed_s: float = 120.0):
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
         self.capacity = capacity_blocks
-        self._lru: OrderedDict[Hashable, tuple[float, float, int]] = OrderedDict()  # key -> (inserted, last used, uses)
+        self._lru: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()  # key -> (inserted, last used)
         self.shared = 0  # keys a later prompt may ask for (not private): the prefixes it holds
         # of those, the keys that are a prefix (``prefix_blocks``): asked for by a second request
         # (``_prefix``), or routed by a prompt that matched nothing here, a new group's first request,
         # for ``seed_s`` after it (``_seeded``: key -> that time; a prompt nobody repeats within it
         # was a one-off, not a prefix); not the new tail blocks of a prompt that matched (a user's
         # question: asked for once, then cold)
-        self._prefix: dict[Hashable, float] = {}  # key -> when it goes idle (see ``_idle_at``)
+        self._prefix: set[Hashable] = set()
         self._seeded: OrderedDict[Hashable, float] = OrderedDict()
         self.seed_s = seed_s
-        # a prefix left unasked for ``idle_gaps`` x its mean interval between uses (at least
-        # ``idle_floor_s``) is idle: its workload moved on (``prefix_blocks`` leaves it out); 0: never
-        self.idle_gaps, self.idle_floor_s = idle_gaps, idle_floor_s
-        self._idle: set[Hashable] = set()  # prefix keys past their idle time, found lazily
-        self._idle_heap: list[tuple[float, int, Hashable]] = []  # (idle time, tie-break, key), stale entries too
+        # the prefix and seeded keys of each domain (a tenant's prompts), for ``prefix_blocks``'s
+        # ``idle_domains``: a tenant that stopped sending holds no room
+        self._domain: dict[Hashable, str] = {}
+        self._by_domain: dict[str, set[Hashable]] = {}
         self.evicted = 0
         self.on_evict = on_evict  # (key, its last use, now) for every key the LRU drops
 
@@ -360,84 +347,73 @@ class ShadowCache:
             k += 1
         return k
 
-    def touch(self, chain: Sequence[bytes], private_blocks: int, now: float) -> None:
-        """A request routed here uses ``chain`` and ``private_blocks`` blocks nobody shares
-        (its unshared tail, its output). The engine frees tail blocks first, so they become
+    def touch(self, chain: Sequence[bytes], private_blocks: int, now: float, domain: str | None = None) -> None:
+        """A request of ``domain`` routed here uses ``chain`` and ``private_blocks`` blocks nobody
+        shares (its unshared tail, its output). The engine frees tail blocks first, so they become
         older than the shared prefix, whose first block is the most recent."""
         seed = self.match(chain) == 0
         for _ in range(private_blocks):
             self._put((_PRIVATE, next(self._anon)), now)
         for key in reversed(chain):
-            known = key in self._lru
-            if not known and seed:
-                self._seeded[key] = now
-            self._put(key, now)
-            if known:
+            if key in self._lru:
+                self._prefix.add(key)
                 self._seeded.pop(key, None)
-                self._mark_prefix(key, self._idle_at(self._lru[key], now))
+                self._set_domain(key, domain)
+            elif seed:
+                self._seeded[key] = now
+                self._set_domain(key, domain)
+            self._put(key, now)
 
-    def _idle_at(self, entry: tuple[float, float, int], now: float) -> float:
-        """When a prefix used at ``now`` goes idle: ``idle_gaps`` x its mean interval between uses
-        after ``now``, at least ``idle_floor_s`` (a group asked for every few seconds that stops for
-        a minute has moved on; one asked for every minute has not)."""
-        inserted, _, uses = entry
-        if self.idle_gaps <= 0:
-            return math.inf
-        return now + max(self.idle_floor_s, self.idle_gaps * (now - inserted) / max(1, uses - 1))
+    def _set_domain(self, key: Hashable, domain: str | None) -> None:
+        old = self._domain.get(key)
+        if old == domain:
+            return
+        if old is not None:
+            self._by_domain[old].discard(key)
+        if domain is None:
+            self._domain.pop(key, None)
+        else:
+            self._domain[key] = domain
+            self._by_domain.setdefault(domain, set()).add(key)
 
-    def _mark_prefix(self, key: Hashable, idle_at: float) -> None:
-        self._prefix[key] = idle_at
-        self._idle.discard(key)
-        if idle_at < math.inf:
-            heapq.heappush(self._idle_heap, (idle_at, next(self._anon), key))
-            if len(self._idle_heap) > 4 * len(self._prefix) + 64:  # drop superseded entries
-                self._idle_heap = [(t, i, k) for t, i, k in self._idle_heap if self._prefix.get(k) == t]
-                heapq.heapify(self._idle_heap)
-
-    def prefix_blocks(self, now: float) -> int:
-        """Blocks of prefixes it holds that prompts share at ``now`` (see ``_prefix``), less the
-        idle ones (``idle_gaps``): what a new group's prefix competes with for room
-        (``WorkerView.fits``)."""
+    def prefix_blocks(self, now: float, idle_domains: Collection[str] = ()) -> int:
+        """Blocks of prefixes it holds that prompts share at ``now`` (see ``_prefix``), less those
+        of ``idle_domains`` (tenants that stopped sending, ``DomainActivity``): what a new group's
+        prefix competes with for room (``WorkerView.fits``)."""
         while self._seeded:
             key, at = next(iter(self._seeded.items()))
             if at >= now - self.seed_s:
                 break
             del self._seeded[key]
-        while self._idle_heap and self._idle_heap[0][0] <= now:
-            at, _, key = heapq.heappop(self._idle_heap)
-            if self._prefix.get(key) == at:
-                self._idle.add(key)
-        return len(self._prefix) - len(self._idle) + len(self._seeded)
-
-    @property
-    def seeded_blocks(self) -> int:
-        """Of ``prefix_blocks`` (as of its last call), those a new group's first prompt brought."""
-        return len(self._seeded)
+            if key not in self._prefix:
+                self._set_domain(key, None)
+        quiet = sum(len(self._by_domain.get(d, ())) for d in idle_domains)
+        return len(self._prefix) + len(self._seeded) - quiet
 
     def resized(self, capacity_blocks: int) -> "ShadowCache":
-        """A copy with another capacity: the most recently used keys that fit, with their history."""
-        fresh = ShadowCache(capacity_blocks, self.on_evict, self.seed_s, self.idle_gaps, self.idle_floor_s)
-        for k, v in self._lru.items():  # in LRU order: the oldest overflow, as they would have
+        """A copy with another capacity: the keys in LRU order, the oldest overflowing as they would."""
+        fresh = ShadowCache(capacity_blocks, self.on_evict, self.seed_s)
+        for k, v in self._lru.items():
             fresh._put(k, v[1])
             fresh._lru[k] = v
-        for k, at in self._prefix.items():
-            if k in fresh._lru:
-                fresh._mark_prefix(k, at)
-        fresh._idle = {k for k in self._idle if k in fresh._lru}
+        fresh._prefix = {k for k in self._prefix if k in fresh._lru}
         fresh._seeded = OrderedDict((k, t) for k, t in self._seeded.items() if k in fresh._lru)
+        for k, d in self._domain.items():
+            if k in fresh._lru:
+                fresh._set_domain(k, d)
         return fresh
 
     def _forget(self, key: Hashable) -> None:
-        self._prefix.pop(key, None)
-        self._idle.discard(key)
+        self._prefix.discard(key)
         self._seeded.pop(key, None)
+        self._set_domain(key, None)
 
     def _put(self, key: Hashable, now: float) -> None:
         old = self._lru.pop(key, None)
-        self._lru[key] = (old[0], now, old[2] + 1) if old else (now, now, 1)
+        self._lru[key] = (old[0] if old else now, now)
         self.shared += old is None and not _private(key)
         while len(self._lru) > self.capacity:
-            gone, (_, used, _) = self._lru.popitem(last=False)
+            gone, (_, used) = self._lru.popitem(last=False)
             self.shared -= not _private(gone)
             self._forget(gone)
             self.evicted += 1
@@ -465,7 +441,7 @@ class ShadowCache:
         if need <= 0:
             return 0, 0, float(need)
         warm, newest = 0, float("-inf")
-        for key, (_, used, _) in itertools.islice(self._lru.items(), min(need, len(self._lru))):
+        for key, (_, used) in itertools.islice(self._lru.items(), min(need, len(self._lru))):
             warm += (used > now - warm_s and not _private(key)
                      and not (held_elsewhere is not None and held_elsewhere(key)))
             newest = max(newest, used)
@@ -565,14 +541,11 @@ class WorkerView:
     prefix_blocks: int = 0  # of its shared blocks, those of prefixes prompts share (``ShadowCache.prefix_blocks``)
     capacity: int = 0  # its pool in blocks (its shadow cache's); 0: unknown
     queued: int = 0  # prompts routed there without a first token yet (queued or prefilling); 0: unknown
-    seeded_blocks: int = 0  # of ``prefix_blocks``, those only a new group's first prompt brought (not yet asked again)
 
-    def fits(self, new_blocks: int, fill: float, seeds: bool = True) -> bool:
-        """Whether ``new_blocks`` more prefix blocks keep its prefixes (``seeds``: with those only
-        seeded) within ``fill`` of its pool (``PlacementConfig.prefix_fill``); True when the pool's
-        size is unknown or ``fill`` >= 1."""
-        held = self.prefix_blocks - (0 if seeds else self.seeded_blocks)
-        return fill >= 1.0 or self.capacity <= 0 or held + max(0, new_blocks) <= fill * self.capacity
+    def fits(self, new_blocks: int, fill: float) -> bool:
+        """Whether ``new_blocks`` more prefix blocks keep its prefixes within ``fill`` of its pool
+        (``PlacementConfig.prefix_fill``); True when the pool's size is unknown or ``fill`` >= 1."""
+        return fill >= 1.0 or self.capacity <= 0 or self.prefix_blocks + max(0, new_blocks) <= fill * self.capacity
 
     @property
     def reused(self) -> int:
@@ -678,7 +651,7 @@ def _relief_target(views: Sequence[WorkerView], best_h: WorkerView, eff: Mapping
 
     busy = _in_flight(best_h)
     targets = [v for v in views if v.worker != best_h.worker and v.eviction[0] == 0 and _in_flight(v) < busy
-               and (not c.relief_fill or v.fits(usable_blocks - v.local_blocks, c.prefix_fill, c.relief_fill_seeds))]
+               and (not c.relief_fill or v.fits(usable_blocks - v.local_blocks, c.prefix_fill))]
     if not targets:
         return None
     v = min(targets, key=lambda v: (total(v), v.rank, v.worker))
@@ -821,6 +794,30 @@ def decision_record(kind: str, worker: WorkerId, key: bytes, prompt_tokens: int,
                                       "share": round(v.group_share, 3)} for v in views}}
 
 
+class DomainActivity:
+    """How often each domain (a tenant's prompts) sends, and which stopped: a domain is idle when
+    nothing came from it for ``gaps`` x its mean interval between requests (an exponential average
+    with weight ``alpha``), once ``min_requests`` were seen. ``gaps`` 0: none is ever idle."""
+
+    def __init__(self, gaps: float = 4.0, min_requests: int = 4, alpha: float = 0.25, max_domains: int = 4096):
+        self.gaps, self.min_requests, self.alpha, self.max_domains = gaps, min_requests, alpha, max_domains
+        self._seen: OrderedDict[str, tuple[float, float, int]] = OrderedDict()  # domain -> (last, mean gap, requests)
+
+    def observe(self, domain: str, now: float) -> None:
+        last, gap, n = self._seen.pop(domain, (now, 0.0, 0))
+        if n:
+            gap = now - last if n == 1 else gap + self.alpha * (now - last - gap)
+        self._seen[domain] = (now, gap, n + 1)
+        while len(self._seen) > self.max_domains:
+            self._seen.popitem(last=False)
+
+    def idle(self, now: float) -> frozenset[str]:
+        if self.gaps <= 0:
+            return frozenset()
+        return frozenset(d for d, (last, gap, n) in self._seen.items()
+                         if n >= self.min_requests and now - last > self.gaps * gap)
+
+
 class Placer:
     """Placement state of one router: a ``ShadowCache`` per worker (capacity in blocks; a worker
     of unknown capacity gets ``default_capacity``)."""
@@ -840,6 +837,7 @@ class Placer:
         self._recent_at: dict[WorkerId, float] = {}
         self._recent_total: dict[WorkerId, float] = {}
         self._wait: dict[WorkerId, tuple[float, float, float]] = {}  # per worker: average, last sample, its time
+        self.domains = DomainActivity(c.domain_idle_gaps, c.domain_idle_min)
 
     @property
     def reuse_p(self) -> float:
@@ -849,10 +847,8 @@ class Placer:
     def shadow(self, worker: WorkerId, capacity_blocks: int | None = None) -> ShadowCache:
         s = self.shadows.get(worker)
         if s is None or (capacity_blocks and s.capacity != capacity_blocks):
-            c = self.config
             s = self.shadows[worker] = s.resized(capacity_blocks) if s is not None else ShadowCache(
-                capacity_blocks or self.default_capacity, self.reuse.evicted, c.prefix_seed_s, c.prefix_idle_gaps,
-                c.prefix_seed_s)
+                capacity_blocks or self.default_capacity, self.reuse.evicted, self.config.prefix_seed_s)
         return s
 
     def remove(self, worker: WorkerId) -> None:
@@ -914,6 +910,7 @@ class Placer:
         own = list(chains.get(own_domain, ()))
         if reuse:
             self.reuse.asked([k for chain in chains.values() for k in chain], now)
+            self.domains.observe(own_domain, now)
         total = -(-(prompt + max_tokens) // block_size)
         proxy = {w: PROXY_TOKEN_S * (loads.get(w, 0.0) + prompt - local[w] * block_size) for w in workers}
         key = leading_key(own, prompt_ids, self.config.key_blocks)
@@ -935,7 +932,7 @@ class Placer:
         if placed.kind != "match":
             self.log.append(decision_record(kind, placed.worker, key, prompt, usable, prefill, views, now))
         if reuse:
-            self.commit(placed.worker, own, max(0, total - len(own)), now)
+            self.commit(placed.worker, own, max(0, total - len(own)), now, own_domain)
         return placed
 
     def pending(self, chains: Mapping[str, Sequence[bytes]], holdings_blocks: Mapping[WorkerId, int] | None,
@@ -965,6 +962,7 @@ class Placer:
         """One ``WorkerView`` per worker from the cost model's ``ranking`` (best candidate per
         worker), or, without one, from ``fallback_ttft``/the loads."""
         order = rendezvous_order(key, workers)
+        quiet = self.domains.idle(now)
         by_worker = {c.worker: c for c in ranking or ()}
         out = []
         for w in workers:
@@ -980,8 +978,8 @@ class Placer:
             wait = self.observe_wait(w, cand.wait_s, now) if cand is not None else 0.0
             out.append(WorkerView(w, ttft, have, cost, loads.get(w, 0.0), order[w], cand, reused,
                                   self.group_share(w, groups or {key}, now), wait, shadow.shared,
-                                  (running or {}).get(w, 0), shadow.prefix_blocks(now), shadow.capacity,
-                                  (queued or {}).get(w, 0), shadow.seeded_blocks))
+                                  (running or {}).get(w, 0), shadow.prefix_blocks(now, quiet), shadow.capacity,
+                                  (queued or {}).get(w, 0)))
         return out
 
     def count_routed(self, worker: WorkerId, key: bytes, now: float) -> None:
@@ -1051,9 +1049,10 @@ class Placer:
         others = [s for w, s in self.shadows.items() if w != worker]
         return lambda key: any(key in s for s in others)
 
-    def commit(self, worker: WorkerId, chain: Sequence[bytes], private_blocks: int, now: float) -> None:
-        """Record that a request using ``chain`` (its own domain's hashes) went to ``worker``."""
-        self.shadow(worker).touch(chain, private_blocks, now)
+    def commit(self, worker: WorkerId, chain: Sequence[bytes], private_blocks: int, now: float,
+               domain: str | None = None) -> None:
+        """Record that a request using ``chain`` (its own domain ``domain``'s hashes) went to ``worker``."""
+        self.shadow(worker).touch(chain, private_blocks, now, domain)
 
 
 def share_lower_bound(share: float, weight: float | None, z: float) -> float:

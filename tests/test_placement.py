@@ -12,7 +12,7 @@ import pytest
 from bench.placement_sim import SimConfig, issue_sizing, simulate
 from bench.workloads import shared_prefix
 from engine.block_pool import prompt_chains
-from policies.placement import (TTFT_ONLY, PlacementConfig, Placer, ShadowCache, WorkerView, choose,
+from policies.placement import (TTFT_ONLY, DomainActivity, PlacementConfig, Placer, ShadowCache, WorkerView, choose,
                                 rendezvous_order, share_lower_bound)
 from policies.routing import Candidate, CostConfig, CostModel, PrefillPrior, WorkerLoad
 from tests.fakes import Handle
@@ -523,8 +523,7 @@ def test_a_busy_holder_of_a_short_prefix_is_relieved_by_a_worker_with_room():
     and theirs), so the request goes where nothing decodes ("relieve"), paying the copy's room (2 x
     the prompt's 0.6 s prefill / 6 blocks per block added). Not with the term unknown, not onto a
     worker that would evict warm blocks, holds as many requests or has its pool filled with
-    prefixes (those a new group's first prompt brought count only with ``relief_fill_seeds``),
-    and not for a long prefix, whose copy takes much room."""
+    prefixes, and not for a long prefix, whose copy takes much room."""
     holder = WorkerView("w0", 0.6, 5, (0, 0, -50.0), running=3, queued=1, load=40.0)
     roomy = WorkerView("w1", 0.7, 0, (0, 0, -80.0), capacity=128, prefix_blocks=10,
                        candidate=Candidate("w1", "pulled", 0.7, 0.0, 0.6, 0.1, 0, 80))
@@ -536,11 +535,6 @@ def test_a_busy_holder_of_a_short_prefix_is_relieved_by_a_worker_with_room():
     for other in (replace(roomy, eviction=(2, 1, -5.0)), replace(roomy, running=4),
                   replace(roomy, prefix_blocks=120)):  # warm victims; as busy; no room for the copy
         assert choose([holder, other], 6, 0.6, contention_s=contention).kind == "match"
-    # a pool full of new groups' first prompts (seeded, not asked for again) is no bar
-    seeded = replace(roomy, prefix_blocks=120, seeded_blocks=110)
-    assert choose([holder, seeded], 6, 0.6, contention_s=contention).kind == "relieve"
-    assert choose([holder, seeded], 6, 0.6, PlacementConfig(relief_fill_seeds=True),
-                  contention_s=contention).kind == "match"
     # fewer requests in flight on the holder: the copy's room outweighs one request's contention
     assert choose([replace(holder, running=1, queued=0, load=0.0), roomy], 6, 0.6, contention_s=contention).kind == "match"
     # the steady sweep's 34-block prefix (3.3 s prefill): its copy's room (6.6 s) outweighs 4 in flight
@@ -1225,9 +1219,8 @@ def test_the_shadow_counts_prefixes_not_the_questions_asked_once():
     """``ShadowCache.prefix_blocks``: a new group's first prompt counts whole; a later prompt of
     the group adds only its matched blocks (already counted), not its new tail (a user's question,
     asked once), unless a later prompt asks for that tail too; a first prompt nobody repeats stops
-    counting ``seed_s`` after it (a one-off); eviction and reconcile drop them (idling is off
-    here: the next test)."""
-    s = ShadowCache(64, seed_s=30.0, idle_gaps=0)
+    counting ``seed_s`` after it (a one-off); eviction and reconcile drop them."""
+    s = ShadowCache(64, seed_s=30.0)
     system = [b"s%d" % i for i in range(8)]
     s.touch(system + [b"q0"], private_blocks=1, now=0.0)
     assert s.prefix_blocks(0.0) == 9 and s.shared == 9
@@ -1249,49 +1242,44 @@ def test_the_shadow_counts_prefixes_not_the_questions_asked_once():
     assert small.prefix_blocks(1.0) == 10 and len(small) == 10
 
 
-def test_a_prefix_left_unasked_for_several_of_its_intervals_stops_counting():
-    """``idle_gaps``: a prefix asked for every 2 s stops counting ``idle_floor_s`` after its last
-    use; one asked for every 60 s still counts 100 s after its last use (4 x 60 s have not passed)
-    and stops after 240 s; a prefix asked for again counts again; a resized copy keeps the clock."""
-    s = ShadowCache(64, seed_s=10.0, idle_gaps=4.0, idle_floor_s=30.0)
-    burst, slow = [b"b%d" % i for i in range(4)], [b"s%d" % i for i in range(6)]
-    for t in range(0, 12, 2):
-        s.touch(burst, 0, now=float(t))
-    s.touch(slow, 0, now=0.0)
-    assert s.prefix_blocks(39.9) == 4  # the burst within its floor; the slow one's seed lapsed (seed_s)
-    s.touch(slow, 0, now=60.0)
-    assert s.prefix_blocks(60.0) == 6  # the burst idled at 10 + 30 s
-    s.touch(slow, 0, now=120.0)
-    assert s.prefix_blocks(220.0) == 6  # the slow one, 100 s after its last use
-    s.touch(burst, 0, now=221.0)  # asked for again
-    assert s.prefix_blocks(221.0) == 10
-    big = s.resized(128)
-    assert big.prefix_blocks(221.0) == 10 and big.prefix_blocks(360.1) == 4  # the slow one idles at 120 + 4 x 60
-    assert ShadowCache(64, idle_gaps=0).prefix_blocks(0.0) == 0
+def test_a_tenant_that_stopped_sending_reserves_no_room():
+    """``DomainActivity``: a domain is idle once nothing came from it for ``gaps`` x its mean
+    interval (after ``min_requests``); ``ShadowCache.prefix_blocks`` leaves out the prefixes and
+    first prompts of idle domains, and counts them again when the domain sends again. Through
+    ``Placer``: a tenant's prompts fill w0 with prefixes; while it sends, another tenant's new
+    group goes to the slower w1 (the fill guard); seconds after it stopped, to the faster w0."""
+    act = DomainActivity(gaps=4.0, min_requests=4)
+    for t in (0.0, 1.0, 2.0, 3.0):
+        act.observe("mix", t)
+    act.observe("once", 0.0)
+    assert act.idle(6.9) == frozenset() and act.idle(7.1) == {"mix"}  # 4 x 1 s after its last
+    act.observe("mix", 7.2)
+    assert act.idle(7.3) == frozenset()
+    assert DomainActivity(gaps=0.0).idle(1e9) == frozenset()
 
+    s = ShadowCache(64, seed_s=100.0)
+    s.touch([b"a%d" % i for i in range(6)], 0, now=0.0, domain="mix")  # seeded
+    s.touch([b"b%d" % i for i in range(4)], 0, now=0.0, domain="mix")
+    s.touch([b"b%d" % i for i in range(4)], 0, now=1.0, domain="mix")  # a prefix
+    s.touch([b"c%d" % i for i in range(3)], 0, now=1.0, domain="bench")
+    assert s.prefix_blocks(2.0) == 13 and s.prefix_blocks(2.0, {"mix"}) == 3
+    assert s.resized(32).prefix_blocks(2.0, {"mix"}) == 3
 
-def test_a_pool_full_of_a_finished_workloads_prefixes_takes_new_groups():
-    """The fill guard (``prefix_fill``) counts prefixes still in use: a worker whose pool holds
-    prefixes idle for many of their intervals is as open to a new group as an empty one, while
-    with ``prefix_idle_gaps`` 0 it is barred for as long as they stay cached."""
-    def placed(gaps: float) -> str:
-        placer = Placer(PlacementConfig(prefix_idle_gaps=gaps))
+    def placed(now: float, mix_sends_until: float) -> str:
+        placer = Placer()
         for w in ("w0", "w1"):
-            placer.shadow(w, 40)
-        old = [b"o%d" % i for i in range(34)]
-        for t in range(0, 20, 2):  # a busy group, on w0
-            placer.commit("w0", old, 0, now=float(t))
-        placer.commit("w1", [b"n%d" % i for i in range(8)], 0, now=0.0)
-        placer.commit("w1", [b"n%d" % i for i in range(8)], 0, now=1.0)
-        prompt = list(range(200))
-        chain = [b"x%d" % i for i in range(12)]
+            placer.shadow(w, 64)
+        for k in range(16):  # one prompt a second, a new 3-block prefix each, all placed on w0
+            t = float(k) * mix_sends_until / 15
+            placer.domains.observe("mix", t)
+            placer.commit("w0", [b"m%d-%d" % (k, i) for i in range(3)], 0, now=t, domain="mix")
         ranking = [Candidate("w0", "recomputed", 1.0, 0.0, 1.0, 0.0, 0, 0),
                    Candidate("w1", "recomputed", 1.6, 0.6, 1.0, 0.0, 0, 0)]
-        return placer.decide(prompt, 16, 16, {"d": chain}, "d", {}, ["w0", "w1"], {"w0": 0.0, "w1": 0.0},
-                             ranking, now=300.0).worker
+        return placer.decide(list(range(200)), 16, 16, {"bench": [b"x%d" % i for i in range(12)]}, "bench", {},
+                             ["w0", "w1"], {"w0": 0.0, "w1": 0.0}, ranking, now=now).worker
 
-    assert placed(4.0) == "w0"  # the idle group does not count: w0 is the faster worker
-    assert placed(0.0) == "w1"  # counted, it fills w0 past prefix_fill
+    assert placed(16.0, 15.0) == "w1"  # 48 prefix blocks of 64: 12 more pass the fill line (57.6)
+    assert placed(25.0, 15.0) == "w0"  # 10 s of silence after one prompt a second
 
 
 def test_a_placer_stops_counting_one_off_prompts_as_prefixes_after_prefix_seed_s():

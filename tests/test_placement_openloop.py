@@ -175,11 +175,12 @@ def test_the_other_workloads_run_in_the_benchs_order_on_the_caches_left_before_t
     assert [it.prompt_ids for it in other.items] != [it.prompt_ids for it in trace.items]
 
 
-def test_a_pool_the_mixs_first_prompts_fill_still_takes_the_traces_relief():
+def test_a_pool_filled_by_a_tenant_that_stopped_sending_takes_the_next_workload():
     """The bench's order, seed 0: the multi-tenant mix leaves one worker's pool full of its
-    prefixes' first prompts (seeded, 116 blocks of 128), and the trace comes next. Counting those
-    against a relief copy (``relief_fill_seeds``, as before session 33) leaves that worker without
-    a single trace request while the others decode; not counting them, all four serve it."""
+    tenants' prefixes and first prompts (116 blocks of 128), and the trace, another tenant's,
+    comes seconds later. Counting them against every copy (as before session 33) leaves that
+    worker without a single trace request while the others decode; with the mix's tenants read
+    as idle (``PlacementConfig.domain_idle_gaps``), all four serve it."""
     import json
     from pathlib import Path
 
@@ -189,6 +190,5 @@ def test_a_pool_the_mixs_first_prompts_fill_still_takes_the_traces_relief():
     run = stages((0.5, 1.0, 2.0, 3.0), stage_s=30.0, seed=0, warmup_stages=4, order=order, others=True)
     cfg = OpenConfig(step_s=0.17, row_s=0.03, token_s=0.006)
     new = simulate(run, "kvmesh", cfg, PlacementConfig(), learn_decode=True)["stages"][-1]
-    old = simulate(run, "kvmesh", cfg, PlacementConfig(relief_fill_seeds=True, prefix_idle_gaps=0.0),
-                   learn_decode=True)["stages"][-1]
+    old = simulate(run, "kvmesh", cfg, PlacementConfig(domain_idle_gaps=0.0), learn_decode=True)["stages"][-1]
     assert len(old["per_worker"]) == 3 and len(new["per_worker"]) == 4
