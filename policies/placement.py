@@ -265,10 +265,10 @@ class PlacementConfig:
     # of prefixes. Longer than ``warm_s``: a group's second request may come minutes after its
     # first at low rates (the cluster bench's warm-up: 12 groups in 52-70 s, ~2 requests each)
     prefix_seed_s: float = 120.0
-    # ... and the prefixes of a domain (a tenant's prompts) that sent nothing for this many times
-    # its mean interval between requests (an average over its last few; at least
-    # ``domain_idle_min`` requests seen) do not count: a tenant that stopped sending reserves no
-    # room. Its prefixes stay cached, and count again with its next request. The cluster bench's
+    # ... and the prefixes of a domain (a tenant's prompts) that no prompt could read for this
+    # many times its mean interval between such prompts (its own tenant's and those it granted
+    # reads to; an average over its last few; at least ``domain_idle_min`` seen) do not count: a
+    # tenant that stopped sending, and whose grantees stopped too, reserves no room. Its prefixes stay cached, and count again with its next request. The cluster bench's
     # trace comes seconds after its multi-tenant mix, whose 28 prefixes (most asked for once or
     # twice) filled one worker past the fill line (116-120 blocks of 128, session 32): that worker
     # got none of the trace while three decoded 5-9 sequences each. 0: off
@@ -910,7 +910,8 @@ class Placer:
         own = list(chains.get(own_domain, ()))
         if reuse:
             self.reuse.asked([k for chain in chains.values() for k in chain], now)
-            self.domains.observe(own_domain, now)
+            for domain in {own_domain, *chains}:  # a domain is in use while prompts that may read it come
+                self.domains.observe(domain, now)
         total = -(-(prompt + max_tokens) // block_size)
         proxy = {w: PROXY_TOKEN_S * (loads.get(w, 0.0) + prompt - local[w] * block_size) for w in workers}
         key = leading_key(own, prompt_ids, self.config.key_blocks)

@@ -1281,6 +1281,13 @@ def test_a_tenant_that_stopped_sending_reserves_no_room():
     assert placed(16.0, 15.0) == "w1"  # 48 prefix blocks of 64: 12 more pass the fill line (57.6)
     assert placed(25.0, 15.0) == "w0"  # 10 s of silence after one prompt a second
 
+    # a grantee's prompts, which may read the grantor's domain, keep it in use
+    placer = Placer()
+    for k in range(8):
+        placer.decide(list(range(40)), 4, 16, {"grantee": [b"g%d" % k], "mix": [b"m%d" % k]}, "grantee", {},
+                      ["w0"], {"w0": 0.0}, None, now=float(k))
+    assert placer.domains.idle(9.0) == frozenset() and placer.domains.idle(20.0) == {"grantee", "mix"}
+
 
 def test_a_placer_stops_counting_one_off_prompts_as_prefixes_after_prefix_seed_s():
     placer = Placer(PlacementConfig(prefix_seed_s=60.0))
