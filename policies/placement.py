@@ -268,10 +268,11 @@ class PlacementConfig:
     # ... and the prefixes of a domain (a tenant's prompts) that no prompt could read for this
     # many times its mean interval between such prompts (its own tenant's and those it granted
     # reads to; an average over its last few; at least ``domain_idle_min`` seen) do not count: a
-    # tenant that stopped sending, and whose grantees stopped too, reserves no room. Its prefixes stay cached, and count again with its next request. The cluster bench's
-    # trace comes seconds after its multi-tenant mix, whose 28 prefixes (most asked for once or
-    # twice) filled one worker past the fill line (116-120 blocks of 128, session 32): that worker
-    # got none of the trace while three decoded 5-9 sequences each. 0: off
+    # tenant that stopped sending, and whose grantees stopped too, reserves no room. Its prefixes
+    # stay cached, and count again with its next request. The cluster bench's trace comes seconds
+    # after its multi-tenant mix, whose 28 prefixes (most asked for once or twice) filled one
+    # worker past the fill line (116-120 blocks of 128, session 32): that worker got none of the
+    # trace while three decoded 5-9 sequences each. 0: off
     domain_idle_gaps: float = 4.0
     domain_idle_min: int = 4
     # a request's decoding shares every step with the other sequences in flight on its worker: each
