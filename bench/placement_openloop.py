@@ -66,7 +66,7 @@ from bench.workloads import (Oracle, TraceScale, Vocab, WorkItem, generate_moonc
                              multi_tenant, multi_turn, shared_prefix)
 from engine.block_pool import BlockPool, extra_key, hash_blocks, prompt_chains  # noqa: E402
 from policies.eviction import TenantEvictionPolicy  # noqa: E402
-from policies.placement import Placer, PlacementConfig  # noqa: E402
+from policies.placement import Placer, PlacementConfig, leading_key, shortlist  # noqa: E402
 from policies.routing import ROW_FIT_WEIGHT, CostConfig, CostModel, DecodeModel, WorkerLoad  # noqa: E402
 
 MODEL = "sim"
@@ -92,6 +92,9 @@ class OpenConfig:
     speed_jitter: float = 0.0  # worker k's steps take (1 + u_k) x as long, u_k uniform in [-jitter, +jitter]
     cache_protect_s: float = 60.0  # the engines' eviction (EngineConfig.cache_protect_s, cache_seed_s)
     cache_seed_s: float = 120.0
+    # the router ranks and weighs at most this many workers per request (``policies.placement.shortlist``,
+    # as ``cluster.routing.CostAwareRouter`` does; 0: all)
+    max_candidates: int = 0
 
 
 @dataclass(frozen=True)
@@ -359,14 +362,19 @@ def simulate(run: Sequence[Stage], router: str, cfg: OpenConfig = OpenConfig(),
         for w in wids:
             cm.observe_load(w, WorkerLoad(tuple(n for n in workers[w].queued.values() if n), workers[w].running))
         pend = placer.pending_tokens(chains, holdings, wids, len(it.prompt_ids), bs, now)
-        ranking = cm.rank(len(it.prompt_ids), holdings, wids, pend)
+        ranked = wids
+        if 0 < cfg.max_candidates < len(wids):
+            key = leading_key(chains[it.domain], it.prompt_ids, placer.config.key_blocks)
+            ranked = shortlist(wids, {w: max(holdings.get(w, 0), pend.get(w, 0)) for w in wids},
+                               {w: len(workers[w].queued) + workers[w].running for w in wids}, key, cfg.max_candidates)
+        ranking = cm.rank(len(it.prompt_ids), holdings, ranked, pend)
         loads = {w: float(sum(workers[w].queued.values())) for w in wids}
         extra = {"running": {w: workers[w].running for w in wids}} if knows_running else {}  # legacy placers do not
         if knows_queued:
             extra["queued"] = {w: len(workers[w].queued) for w in wids}
         if knows_rows:
             extra["row_s"] = row_fit.seconds
-        placed = placer.decide(it.prompt_ids, it.max_tokens, bs, chains, it.domain, holdings, wids, loads, ranking,
+        placed = placer.decide(it.prompt_ids, it.max_tokens, bs, chains, it.domain, holdings, ranked, loads, ranking,
                                now, **extra)
         c = placed.candidate
         counts[placed.kind] += 1
@@ -612,6 +620,11 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "relief copy 0.5": ({"relief_copy_weight": 0.5}, 0.0, "new"),
     "relief ignores fill": ({"relief_fill": False}, 0.0, "new"),
     "quiet domains count": ({"domain_idle_gaps": 0.0}, 0.0, "new"),  # before session 33: a tenant's prefixes count while it is silent
+    # the router weighs at most 2 / 3 workers per request (its holders first, then the least busy):
+    # on 4 workers, what a short list costs placement (the product's default, 16, is all of them here)
+    "shortlist 2": ({"max_candidates": 2}, 0.0, "new"),
+    "shortlist 3": ({"max_candidates": 3}, 0.0, "new"),
+    "shortlist 16": ({"max_candidates": 16}, 0.0, "new"),  # the product's default (--workers above 16)
     "relief copy 1.5": ({"relief_copy_weight": 1.5}, 0.0, "new"),
     "relief copy 2": ({"relief_copy_weight": 2.0}, 0.0, "new"),
     "relief copy 3": ({"relief_copy_weight": 3.0}, 0.0, "new"),
@@ -621,7 +634,8 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
 def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _cache: dict = {},
                 steady: bool = False, rates: Sequence[float] | None = None, stage_s: float = 45.0,
                 warmup_stages: int = 1, order: Sequence[int] | None = None, chat: bool = False,
-                then_hot: Sequence[float] = (), trace: bool = False, others: bool = False) -> list[dict]:
+                then_hot: Sequence[float] = (), trace: bool = False, others: bool = False,
+                groups: int = 12) -> list[dict]:
     """``name``: a router, a ``VARIANTS`` key, or either with ``+learn`` (the decode term learned)."""
     base, learn = (name[: -len("+learn")], True) if name.endswith("+learn") else (name, False)
     fields, decode_s, kind = VARIANTS[base] if base in VARIANTS else ({}, 0.0, "new")
@@ -637,7 +651,7 @@ def run_variant(name: str, seeds: Sequence[int], hot: bool, cfg: OpenConfig, _ca
     for seed in seeds:
         run = stages(rates or (0.4, 0.7, 1.0, 1.3), stage_s=stage_s, seed=seed, hot=hot, steady=steady,
                      warmup_stages=warmup_stages, order=order, chat=chat, then_hot=then_hot, trace=trace,
-                     others=others)
+                     others=others, groups=groups)
         res = simulate(run, router, replace(cfg, seed=seed, **engines), legacy_cfg(**fields),
                        decode_s, placer_cls, learn_decode=learn)
         rows.append({"seed": seed, **res})
@@ -748,11 +762,14 @@ def main(argv=None) -> None:
                          "step ~0.2 s, ~0.03 s more per row)")
     ap.add_argument("--capacity-blocks", type=int, default=OpenConfig.capacity_blocks,
                     help="each worker's pool in blocks (128: the bench's pool ratio 3; 96: ratio 4)")
+    ap.add_argument("--workers", type=int, default=OpenConfig.workers,
+                    help="workers (the cluster bench's: 4); --groups scales the shared workload with them")
+    ap.add_argument("--groups", type=int, default=12, help="shared / steady: prefix groups per stage (the bench's: 12)")
     ap.add_argument("--json", default=str(ROOT / "bench/results/placement_sim_tradeoff.json"),
                     help="merge the aggregated rows into this file (by workload and variant)")
     a = ap.parse_args(argv)
     cfg = OpenConfig(speed_jitter=a.speed_jitter, capacity_blocks=a.capacity_blocks, token_s=a.token_s,
-                     step_s=a.step_s, row_s=a.row_s)
+                     step_s=a.step_s, row_s=a.row_s, workers=a.workers)
     path = Path(a.json)
     doc = json.loads(path.read_text()) if path.exists() else {}
     doc.setdefault("bench", "bench/placement_openloop.py")
@@ -774,7 +791,8 @@ def main(argv=None) -> None:
                                     chat=a.workload == "chat", trace=a.workload == "trace",
                                     then_hot=[float(x) for x in a.hot_rates.split(",")]
                                     if a.workload in ("steady_hot", "others") else (),
-                                    order=json.loads(Path(a.ipperf_order).read_text()) if a.ipperf_order else None))
+                                    order=json.loads(Path(a.ipperf_order).read_text()) if a.ipperf_order else None,
+                                    groups=a.groups))
         res[name] = agg
         pr = agg["per_rate"]
         print(f"{a.workload:6s} {name:32s} hit {agg['hit_vs_oracle']:.3f}  " + "  ".join(

@@ -109,6 +109,9 @@ class AppSettings:
     # would wait for room in a full pool is priced with that wait (policies.routing.kv_admission_s,
     # cluster/README, session 22); false: the queue's compute only (before session 22)
     router_kv_memory: bool = True
+    # the router ranks and weighs per request at most this many workers: the prompt's holders,
+    # then the least busy (policies.placement.shortlist; bench/router_scale.py); 0: every worker
+    router_max_candidates: int = 16
     # a hot prefix group (more than its holders' share of the traffic) spills from a busy holder to
     # an idle worker with room for it, at a transfer or one prefill for that request
     # (PlacementConfig.idle_slack, cluster/README, Placement, session 16); false: only when faster
@@ -182,8 +185,10 @@ class AppSettings:
                 raise ValueError(f"router_placement: unknown PlacementConfig fields {sorted(unknown)}")
         if self.lend_workers not in LEND_MODES:
             raise ValueError(f"lend_workers must be one of {LEND_MODES}, got {self.lend_workers!r}")
-        if not isinstance(self.lend_hit_tokens, int) or isinstance(self.lend_hit_tokens, bool) or self.lend_hit_tokens < 0:
-            raise ValueError(f"lend_hit_tokens must be an integer >= 0 (0: off), got {self.lend_hit_tokens!r}")
+        for name, zero in (("lend_hit_tokens", "off"), ("router_max_candidates", "every worker")):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (0: {zero}), got {v!r}")
 
     @classmethod
     def from_args(cls, args):
@@ -230,7 +235,7 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,
                       auto_device=s.device is None, auto_dtype=s.dtype is None, ready_timeout_s=s.ready_timeout_s,
                       app=app, router_learn_decode=s.router_learn_decode, router_kv_memory=s.router_kv_memory,
-                      router_idle_spill=s.router_idle_spill, lend_workers=s.lend_workers,
+                      router_max_candidates=s.router_max_candidates, router_idle_spill=s.router_idle_spill, lend_workers=s.lend_workers,
                       lend_hit_tokens=s.lend_hit_tokens,
                       guests_yield=s.guests_yield, calibrate_prefill=s.calibrate_prefill,
                       router_spill_needs_share=s.router_spill_needs_share, router_balance_ratio=s.router_balance_ratio,

@@ -104,6 +104,9 @@ class PoolConfig:
     # the router prices each worker's KV memory: a request waits for room in a full pool
     # (policies.routing.kv_use / kv_admission_s, CostAwareRouter.kv_memory); False: queue compute only
     router_kv_memory: bool = True
+    # workers the router ranks and weighs per request: the prompt's holders, then the least busy
+    # (policies.placement.shortlist); 0: every worker
+    router_max_candidates: int = 16
     router_idle_spill: bool = True  # False: PlacementConfig.idle_slack = 0 (a hot group never spills to an idle worker)
     # False: PlacementConfig.spill_share_margin = None (any group dominant on its holder spills, without
     # its holders' worth of the cluster's traffic)
@@ -297,7 +300,8 @@ class WorkerPool:
         if not isinstance(self.router, CostAwareRouter):
             self.router = CostAwareRouter(ws.info["model_id"], ws.info["block_size"], self._index,
                                           self._router_client, self.workers.get, timeout_s=ROUTE_TIMEOUT_S,
-                                          placement=self.config.placement(), kv_memory=self.config.router_kv_memory)
+                                          placement=self.config.placement(), kv_memory=self.config.router_kv_memory,
+                                          max_candidates=self.config.router_max_candidates)
 
     async def check_health(self) -> list[str]:
         """Ask every ready worker for its health; retire (and replace) those whose engine died.

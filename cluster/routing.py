@@ -35,7 +35,7 @@ from actors.router import RouterClient
 from actors.worker import DonorPull, Pull
 from cluster.types import NO_LOAN, HitLoan, LeastLoadedRouter, RouteChoice, WorkerState
 from engine.sequence import Request
-from policies.placement import PlacementConfig, Placer
+from policies.placement import PlacementConfig, Placer, leading_key, shortlist
 from policies.replication import ReplicationConfig, ReplicationPolicy
 from policies.routing import ROW_FIT_WEIGHT, DecodeModel, KvFlight, WorkerLoad, held_prefix, kv_use, pull_deadline_s
 
@@ -51,6 +51,16 @@ ROUTE_TIMEOUT_S = 0.2
 # rides on that ranking, so the timer only bounds how stale the router's metrics (TTFT error)
 # get when no request comes; at 1 s most requests' outcomes still cost a flush of their own.
 ROUTER_FLUSH_S = 5.0
+# A worker's KV memory signal (``CostAwareRouter._publish_loads``) is recomputed when its requests
+# in flight changed, else at most this often: the signal's times are relative to when it was taken
+# (seconds until each running request ends), so an unchanged worker's drifts by this much at most.
+# Recomputing every worker's for every request cost O(workers x requests in flight) per request:
+# 64 sequences on each of 16 workers, ~10 ms of the controller per request (bench/router_scale.py).
+LOAD_REFRESH_S = 0.2
+# Workers ranked and weighed per request (``policies.placement.shortlist``: the prompt's holders,
+# then the least busy); 0: all. On 64 GPU-sized workers ranking all of them cost ~20 ms of the
+# controller and the router actor per request (bench/router_scale.py).
+MAX_CANDIDATES = 16
 
 
 def options_of(ranking) -> dict | None:
@@ -83,9 +93,10 @@ class CostAwareRouter:
     def __init__(self, model_id: str, block_size: int, index=None, client: RouterClient | None = None,
                  worker_lookup: Callable[[str], WorkerState | None] | None = None, timeout_s: float = 0.05,
                  replication: ReplicationConfig | None = None, placement: PlacementConfig | None = None,
-                 kv_memory: bool = True):
+                 kv_memory: bool = True, max_candidates: int = MAX_CANDIDATES):
         self.model_id = model_id
         self.kv_memory = kv_memory  # publish each worker's KV memory (``_publish_loads``)
+        self.max_candidates = max_candidates  # workers weighed per request (``shortlist``; 0: all)
         self.block_size = block_size
         self.index = index
         self.client = client or RouterClient(timeout_s=timeout_s)
@@ -93,6 +104,8 @@ class CostAwareRouter:
         self.timeout_s = timeout_s
         self.fallback = LeastLoadedRouter()
         self._published: dict[str, WorkerLoad] = {}
+        # per worker: (what its signal was taken from, when, the signal, the prompt blocks it holds)
+        self._kv_taken: dict[str, tuple[tuple, float, WorkerLoad, set]] = {}
         self.replication = ReplicationPolicy(replication)
         self.placer = Placer(placement)
         # seconds one more sequence decoding beside a request adds to each of its output tokens: the
@@ -183,6 +196,13 @@ class CostAwareRouter:
         holdings = found or {}  # ``found`` None (timed out) must not purge the shadow caches: passed as is
         pending = self.placer.pending_tokens(chains, found, workers, prompt, self.block_size, time.monotonic())
         blocks = tuple(chains.get(request.domain) or ())
+        if 0 < self.max_candidates < len(candidates):
+            held = {w: max(holdings.get(w, 0), pending.get(w, 0)) for w in workers}
+            key = leading_key(blocks, request.prompt_ids, self.placer.config.key_blocks)
+            short = set(shortlist(workers, held, {w.worker_id: len(w.queued) + w.running for w in candidates}, key,
+                                  self.max_candidates))
+            candidates = [w for w in candidates if w.worker_id in short]
+            workers = [w.worker_id for w in candidates]
         shared = self._publish_loads(candidates, blocks)
         ranked = {w.worker_id: float(sum(w.queued.values())) for w in candidates}  # the loads it ranks on
         ranking = await self.client.rank(prompt, holdings, workers, pending, shared)
@@ -247,6 +267,7 @@ class CostAwareRouter:
     def forget_published(self) -> None:
         """Resend every load with the next ranking (the router actor restarted empty)."""
         self._published.clear()
+        self._kv_taken.clear()
 
     def _publish_loads(self, candidates: Sequence[WorkerState], blocks: tuple = ()) -> dict[str, int]:
         """Each candidate's queue for the cost model: the prompt tokens each routed request
@@ -261,21 +282,35 @@ class CostAwareRouter:
         pooled = sum(tpots) / len(tpots) if tpots else None
         shared: dict[str, int] = {}
         for w in candidates:
-            kv: dict = {}
-            tpot, num_blocks = w.tpot_s or pooled, (w.info or {}).get("num_blocks")
-            if tpot and num_blocks and self.kv_memory:
-                cap = output_cap(w.output_tokens) if w.output_tokens else None
-                flights = [KvFlight(f.prompt_tokens, f.cached_tokens, f.blocks,
-                                    f.max_tokens if cap is None else min(f.max_tokens, cap),
-                                    None if f.started_at is None else now - f.started_at)
-                           for f in w.flights.values()]
-                running, waiting, held = kv_use(flights, tpot, self.block_size)
-                kv = dict(kv_tokens=num_blocks * self.block_size, kv_running=running, kv_waiting=waiting)
-                hit = held_prefix(blocks, held)
-                if hit:
-                    shared[w.worker_id] = hit * self.block_size
-            load = WorkerLoad(waiting_tokens=tuple(n for n in w.queued.values() if n), running=w.running, **kv)
+            load, held = self._load_of(w, w.tpot_s or pooled, now)
+            hit = held_prefix(blocks, held) if held else 0
+            if hit:
+                shared[w.worker_id] = hit * self.block_size
             if self._published.get(w.worker_id) != load:
                 self._published[w.worker_id] = load
                 self.client.report("report_load", w.worker_id, load)
         return shared
+
+    def _load_of(self, w: WorkerState, tpot: float | None, now: float) -> tuple[WorkerLoad, set]:
+        """``w``'s load and the prompt blocks its requests in flight hold: taken again when they
+        changed (or its seconds per output token, output size or pool did), else at most every
+        ``LOAD_REFRESH_S`` (its KV signal's times are relative to when it was taken)."""
+        num_blocks = (w.info or {}).get("num_blocks")
+        taken = (len(w.flights), next(reversed(w.flights), None), len(w.queued), w.running, tpot,
+                 w.output_tokens, num_blocks, self.kv_memory)
+        last = self._kv_taken.get(w.worker_id)
+        if last is not None and last[0] == taken and now - last[1] < LOAD_REFRESH_S:
+            return last[2], last[3]
+        kv: dict = {}
+        held: set = set()
+        if tpot and num_blocks and self.kv_memory:
+            cap = output_cap(w.output_tokens) if w.output_tokens else None
+            flights = [KvFlight(f.prompt_tokens, f.cached_tokens, f.blocks,
+                                f.max_tokens if cap is None else min(f.max_tokens, cap),
+                                None if f.started_at is None else now - f.started_at)
+                       for f in w.flights.values()]
+            running, waiting, held = kv_use(flights, tpot, self.block_size)
+            kv = dict(kv_tokens=num_blocks * self.block_size, kv_running=running, kv_waiting=waiting)
+        load = WorkerLoad(waiting_tokens=tuple(n for n in w.queued.values() if n), running=w.running, **kv)
+        self._kv_taken[w.worker_id] = (taken, now, load, held)
+        return load, held

@@ -314,10 +314,14 @@ class ShadowCache:
     _anon = itertools.count()
 
     def __init__(self, capacity_blocks: int, on_evict: Callable[[Hashable, float, float], None] | None = None,
-                 seed_s: float = 120.0):
+                 seed_s: float = 120.0, holders: Counter | None = None):
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
         self.capacity = capacity_blocks
+        # shared by the shadows of one ``Placer``: per shareable key, how many of them hold it (a
+        # victim held elsewhere is asked once per candidate worker per request: a count, not a scan
+        # of every other shadow, keeps a decision linear in the workers)
+        self.holders = holders
         self._lru: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()  # key -> (inserted, last used)
         self.shared = 0  # keys a later prompt may ask for (not private): the prefixes it holds
         # of those, the keys that are a prefix (``prefix_blocks``): asked for by a second request
@@ -393,10 +397,14 @@ class ShadowCache:
 
     def resized(self, capacity_blocks: int) -> "ShadowCache":
         """A copy with another capacity: the keys in LRU order, the oldest overflowing as they would."""
-        fresh = ShadowCache(capacity_blocks, self.on_evict, self.seed_s)
+        fresh = ShadowCache(capacity_blocks, self.on_evict, self.seed_s)  # uncounted while it fills
         for k, v in self._lru.items():
             fresh._put(k, v[1])
             fresh._lru[k] = v
+        for k in self._lru:  # the copy takes this one's place in the count: what overflowed leaves it
+            if k not in fresh._lru:
+                self._count(k, -1)
+        fresh.holders = self.holders
         fresh._prefix = {k for k in self._prefix if k in fresh._lru}
         fresh._seeded = OrderedDict((k, t) for k, t in self._seeded.items() if k in fresh._lru)
         for k, d in self._domain.items():
@@ -409,13 +417,31 @@ class ShadowCache:
         self._seeded.pop(key, None)
         self._set_domain(key, None)
 
+    def _count(self, key: Hashable, step: int) -> None:
+        """``key`` entered (``step`` 1) or left (-1) this cache: the shared ``holders`` count."""
+        if self.holders is None or _private(key):
+            return
+        n = self.holders.get(key, 0) + step
+        if n > 0:
+            self.holders[key] = n
+        else:
+            self.holders.pop(key, None)
+
+    def release(self) -> None:
+        """This cache is dropped (its worker left): its keys leave the shared ``holders`` count."""
+        for key in self._lru:
+            self._count(key, -1)
+
     def _put(self, key: Hashable, now: float) -> None:
         old = self._lru.pop(key, None)
         self._lru[key] = (old[0] if old else now, now)
-        self.shared += old is None and not _private(key)
+        if old is None and not _private(key):
+            self.shared += 1
+            self._count(key, 1)
         while len(self._lru) > self.capacity:
             gone, (_, used) = self._lru.popitem(last=False)
             self.shared -= not _private(gone)
+            self._count(gone, -1)
             self._forget(gone)
             self.evicted += 1
             if self.on_evict is not None:
@@ -429,6 +455,7 @@ class ShadowCache:
             if ent is not None and ent[0] < now - lag_s:
                 del self._lru[key]
                 self.shared -= 1
+                self._count(key, -1)
                 self._forget(key)
 
     def eviction_cost(self, new_blocks: int, now: float, warm_s: float,
@@ -441,11 +468,12 @@ class ShadowCache:
         need = len(self._lru) + new_blocks - self.capacity
         if need <= 0:
             return 0, 0, float(need)
-        warm, newest = 0, float("-inf")
+        warm, newest, cutoff = 0, float("-inf"), now - warm_s
         for key, (_, used) in itertools.islice(self._lru.items(), min(need, len(self._lru))):
-            warm += (used > now - warm_s and not _private(key)
-                     and not (held_elsewhere is not None and held_elsewhere(key)))
-            newest = max(newest, used)
+            if used > cutoff and not _private(key) and (held_elsewhere is None or not held_elsewhere(key)):
+                warm += 1
+            if used > newest:
+                newest = used
         warm += max(0, need - len(self._lru))  # more than the whole cache
         return warm, 1, (newest - now) if newest > float("-inf") else 0.0
 
@@ -585,6 +613,25 @@ def rendezvous_order(key: bytes, workers: Sequence[WorkerId]) -> dict[WorkerId, 
     """Highest-random-weight order of ``workers`` for ``key`` (stable, uniform over keys)."""
     score = {w: hashlib.blake2b(key + w.encode(), digest_size=8).digest() for w in workers}
     return {w: i for i, w in enumerate(sorted(workers, key=lambda w: score[w], reverse=True))}
+
+
+def shortlist(workers: Sequence[WorkerId], held: Mapping[WorkerId, int], in_flight: Mapping[WorkerId, int],
+              key: bytes, size: int, holder_share: float = 0.75) -> list[WorkerId]:
+    """At most ``size`` of ``workers`` for one request's ranking and placement (all of them when
+    they are no more): the workers holding most of its prompt (``held``: blocks, by the index or
+    the router's own record; the fewest requests in flight first among equals), at most
+    ``holder_share`` of ``size``, then the others with the fewest requests in flight (ties in the
+    rendezvous order of the prompt's ``key``: idle workers are drawn per group, not the same few
+    for every group). Ranking and placement weigh every candidate per request (its TTFT, what it
+    would evict, its pulls): on a large cluster a short list keeps a decision's work bounded."""
+    if size <= 0 or len(workers) <= size:
+        return list(workers)
+    holders = sorted((w for w in workers if held.get(w, 0) > 0), key=lambda w: (-held[w], in_flight.get(w, 0), w))
+    holders = holders[:max(1, int(holder_share * size))]
+    taken = set(holders)
+    order = rendezvous_order(key, workers)
+    rest = sorted((w for w in workers if w not in taken), key=lambda w: (in_flight.get(w, 0), order[w]))
+    return holders + rest[:size - len(holders)]
 
 
 def _headroom(over: set[WorkerId], remote: set[WorkerId] = frozenset()) -> Callable[[WorkerView], tuple]:
@@ -827,6 +874,7 @@ class Placer:
         self.config = config or PlacementConfig()
         self.default_capacity = default_capacity
         self.shadows: dict[WorkerId, ShadowCache] = {}
+        self._holders: Counter[Hashable] = Counter()  # per shareable key, the shadows holding it
         self.placements: Counter[str] = Counter()  # decisions by rule (match | spill | balance | idle | place; -fallback)
         # the last ``DECISION_LOG`` decisions that give a group a worker (every rule but "match"),
         # with what each candidate looked like: how a group split over the workers came about
@@ -849,11 +897,13 @@ class Placer:
         s = self.shadows.get(worker)
         if s is None or (capacity_blocks and s.capacity != capacity_blocks):
             s = self.shadows[worker] = s.resized(capacity_blocks) if s is not None else ShadowCache(
-                capacity_blocks or self.default_capacity, self.reuse.evicted, self.config.prefix_seed_s)
+                capacity_blocks or self.default_capacity, self.reuse.evicted, self.config.prefix_seed_s, self._holders)
         return s
 
     def remove(self, worker: WorkerId) -> None:
-        self.shadows.pop(worker, None)
+        s = self.shadows.pop(worker, None)
+        if s is not None:
+            s.release()
         self._wait.pop(worker, None)
         for d in (self.recent, self._recent_at, self._recent_total):
             d.pop(worker, None)
@@ -948,7 +998,9 @@ class Placer:
             s = self.shadow(w)
             best = 0
             for chain in chains.values():
-                if holdings_blocks is not None:
+                # a shadow holds a chain's blocks from its first (a prompt's blocks enter together and
+                # leave deepest first): one without the first has nothing of it to reconcile
+                if holdings_blocks is not None and chain and chain[0] in s:
                     s.reconcile(chain, holdings_blocks.get(w, 0), now, self.config.index_lag_s)
                 best = max(best, s.match(chain))
             if best:
@@ -1048,8 +1100,8 @@ class Placer:
         return out
 
     def _held_elsewhere(self, worker: WorkerId) -> Callable[[Hashable], bool]:
-        others = [s for w, s in self.shadows.items() if w != worker]
-        return lambda key: any(key in s for s in others)
+        own, holders = self.shadows.get(worker), self._holders
+        return lambda key: holders.get(key, 0) > (own is not None and key in own)
 
     def commit(self, worker: WorkerId, chain: Sequence[bytes], private_blocks: int, now: float,
                domain: str | None = None) -> None:

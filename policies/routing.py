@@ -352,7 +352,7 @@ def kv_use(flights: Iterable[KvFlight], tpot_s: float, block_size: int) -> tuple
     flights = sorted(flights, key=lambda f: f.running_s is None)  # stable: routing order within each
     for f in flights:
         shared = held_prefix(f.blocks, held)
-        held.update(f.blocks)
+        held.update(itertools.islice(f.blocks, shared, None))  # its first ``shared`` are in already
         if f.running_s is None:
             own = kv_blocks(f.prompt_tokens + 1, block_size) - shared
             waiting.append((own * block_size, max(0, f.prompt_tokens - f.cached_tokens),
@@ -665,19 +665,29 @@ class CostModel:
         out: list[Candidate] = []
         copy_bytes = self.usable_tokens(prompt_tokens, prompt_tokens) * self.config.bytes_per_token
         target_nodes = sorted({self.nodes.get(x, x) for x in targets})
+        # a pull's plan depends on the target's node and the blocks it lacks, not on the target
+        # (a target holds no deeper block than its own prefix): one plan per node and level
+        plans: dict[tuple, tuple[float, tuple[PullRange, ...]] | None] = {}
+        copies: dict[NodeId, float] = {}  # what a copy out of a node takes: per node, as plans
         for w in targets:
             own = max(held_blocks.get(w, 0), self.usable_tokens(prompt_tokens, pending.get(w, 0)) // bs) * bs
             wait, dec, kv = self._wait_parts(w, kv_blocks(prompt_tokens + 1, bs) * bs - shared.get(w, 0))
             pre = own_pre = self.prefill_s(w, prompt_tokens - own, own)
             full = self.prefill_s(w, prompt_tokens, 0) if own else pre
-            copy_out = self.copy_out_s(w, target_nodes, copy_bytes)
+            node = self.nodes.get(w, w)
+            if node not in copies:
+                copies[node] = self.copy_out_s(w, target_nodes, copy_bytes)
+            copy_out = copies[node]
             out.append(Candidate(w, "local" if own else "recomputed", wait + pre, wait, pre, 0.0, own, 0,
                                  decode_wait_s=dec, kv_wait_s=kv, copy_out_s=copy_out, full_prefill_s=full,
                                  own_prefill_s=own_pre))
             for level in levels:
                 if level * bs <= own:
                     continue
-                plan = self.plan_pull(w, own // bs, level, held_blocks)
+                at = (node, own // bs, level)
+                if at not in plans:
+                    plans[at] = self.plan_pull(w, own // bs, level, held_blocks)
+                plan = plans[at]
                 if plan is None:
                     continue
                 pull_s, ranges = plan

@@ -694,6 +694,91 @@ def test_cost_model_counts_pending_as_local_never_as_a_pull_source():
     assert best["B"].kind == "recomputed" and best["B"].pulls == ()  # nothing to pull from A yet
 
 
+def test_the_count_of_workers_holding_a_block_follows_every_change_of_their_shadows():
+    """A victim held elsewhere is not charged (``discount_held_elsewhere``); the Placer counts per
+    block the shadows holding it instead of scanning them all per victim: the count and the answer
+    stay those of a scan through touches, evictions, reconciles, resizes and removed workers."""
+    import random as _random
+
+    from policies.placement import _private
+
+    rng = _random.Random(5)
+    placer = Placer(PlacementConfig())
+    chains = [[bytes([g, i]) for i in range(12)] for g in range(6)]
+    workers = ["a", "b", "c", "d"]
+    for w in workers:
+        placer.shadow(w, 20)
+
+    def check():
+        scan = Counter(k for s in placer.shadows.values() for k in s._lru if not _private(k))
+        assert placer._holders == scan
+        for w in placer.shadows:
+            elsewhere = placer._held_elsewhere(w)
+            for k in scan:
+                assert elsewhere(k) == any(k in s for v, s in placer.shadows.items() if v != w)
+
+    for step in range(300):
+        w = rng.choice(workers)
+        op = rng.random()
+        if op < 0.6:
+            chain = rng.choice(chains)[:rng.randint(1, 12)]
+            placer.commit(w, chain, rng.randint(0, 4), float(step), "t")
+        elif op < 0.75 and w in placer.shadows:
+            chain = rng.choice(chains)
+            placer.shadows[w].reconcile(chain, rng.randint(0, len(chain)), float(step), 0.0)
+        elif op < 0.9:
+            placer.shadow(w, rng.choice([8, 20, 40]))
+        else:
+            placer.remove(w)
+        check()
+
+
+def test_a_short_list_keeps_the_prompts_holders_then_the_least_busy_drawn_per_group():
+    from policies.placement import shortlist
+
+    workers = [f"w{i}" for i in range(10)]
+    assert shortlist(workers, {}, {}, b"k", 0) == workers and shortlist(workers, {}, {}, b"k", 10) == workers
+    busy = {w: 3 for w in workers} | {"w7": 0, "w8": 1}
+    short = shortlist(workers, {"w2": 4, "w5": 9}, busy, b"k", 4)
+    assert short[:2] == ["w5", "w2"] and short[2:] == ["w7", "w8"]  # most held first, then the least busy
+    # holders take at most 3/4 of the list: room stays for a spill or a relief
+    many = shortlist(workers, {w: 5 for w in workers}, busy, b"k", 4)
+    assert len(many) == 4 and many[:3] == ["w7", "w8", "w0"]
+    # idle workers: each group draws its own (rendezvous order of its key), not the same few for all
+    idle = {k: frozenset(shortlist(workers, {}, {}, bytes([k]), 3)) for k in range(40)}
+    assert len(set(idle.values())) > 20
+    assert all(len(v) == 3 for v in idle.values())
+
+
+def test_the_router_ranks_and_places_over_a_short_list_that_keeps_the_groups_holder():
+    """With ``max_candidates`` below the pool, a request's ranking and placement see only its short
+    list: its group's holder stays on it (the group keeps its worker), and the router actor ranks
+    only those workers."""
+    from cluster.routing import CostAwareRouter
+    from cluster.types import WorkerState
+    from engine.sequence import Request, SamplingParams
+
+    states = [WorkerState(f"w{i}", None, info={"num_blocks": 48}) for i in range(6)]
+    cm = _cost_model([w.worker_id for w in states])
+    ranked = []
+
+    class _Seen(_FakeClient):
+        async def rank(self, prompt_tokens, holdings, workers, pending=None, shared=None):
+            ranked.append(list(workers))
+            return await super().rank(prompt_tokens, holdings, workers, pending, shared)
+    router = CostAwareRouter("m", BS, index=None, client=_Seen(cm), worker_lookup=lambda w: None, timeout_s=0.01,
+                             max_candidates=3)
+    items = shared_prefix(groups=3, users=4, seed=4)
+    where: dict[str, set] = {}
+    for i, it in enumerate(items):
+        req = Request(f"r{i}", it.prompt_ids, SamplingParams(max_tokens=it.max_tokens), tenant="t")
+        choice = asyncio.run(router.choose(req, states))
+        where.setdefault(it.group, set()).add(choice.worker_id)
+        assert choice.worker_id in ranked[-1]
+    assert all(len(r) == 3 for r in ranked)
+    assert all(len(ws) == 1 for ws in where.values())  # every group stayed on its first worker
+
+
 # -- the router in the pool, with fake index/router actors -------------------------------------
 class _FakeClient:
     def __init__(self, cm):
@@ -1044,6 +1129,54 @@ def test_a_burst_of_new_prompts_ranked_at_once_spreads_over_the_workers():
     spread = burst(unranked=True)
     assert len(spread) == 4 and max(spread.values()) <= 3
     assert max(burst(unranked=False).values()) >= 5  # what the stale ranking did
+
+
+def test_a_workers_load_is_taken_again_when_its_requests_change_or_it_grew_stale(monkeypatch):
+    """Every routed request publishes the candidates' loads; a worker's KV signal (``kv_use``
+    over its requests in flight) is computed again only for a worker whose requests in flight
+    changed, or once ``LOAD_REFRESH_S`` passed: the rest are the loads the router actor has."""
+    import cluster.routing as routing
+    from cluster.routing import CostAwareRouter
+    from cluster.types import InFlight, WorkerState
+
+    taken = []
+    real = routing.kv_use
+
+    def counting(flights, tpot_s, block_size):
+        flights = list(flights)
+        taken.append(len(flights))
+        return real(flights, tpot_s, block_size)
+    monkeypatch.setattr(routing, "kv_use", counting)
+    clock = [100.0]
+    monkeypatch.setattr(routing.time, "monotonic", lambda: clock[0])
+    states = [WorkerState(f"w{i}", None, info={"num_blocks": 64}) for i in range(3)]
+    for i, w in enumerate(states):
+        w.tpot_s, w.output_tokens = 0.1, 16.0
+        w.flights = {f"f{i}{k}": InFlight("t", w.worker_id, 100, 16, blocks=(b"x%d" % i,), started_at=99.0)
+                     for k in range(2)}
+        w.running = 2
+    client = _FakeClient(None)
+    router = CostAwareRouter("m", BS, index=None, client=client, worker_lookup=lambda w: None)
+
+    def published():
+        out = [a[1] for a in client.reports if a[0] == "report_load"]
+        client.reports.clear()
+        return out
+    assert router._publish_loads(states, (b"x1",)) == {"w1": BS}
+    assert len(taken) == 3 and published() == ["w0", "w1", "w2"]
+    clock[0] += 0.05  # nothing changed: nothing taken, nothing sent, the same blocks held
+    assert router._publish_loads(states, (b"x1",)) == {"w1": BS}
+    assert len(taken) == 3 and published() == []
+    states[1].flights["n"] = InFlight("t", "w1", 50, 16)  # a request routed to w1
+    states[1].queued["n"] = 50
+    router._publish_loads(states)
+    assert len(taken) == 4 and published() == ["w1"] and router._published["w1"].waiting_tokens == (50,)
+    clock[0] += routing.LOAD_REFRESH_S  # stale: every signal taken again (their times moved on)
+    router._publish_loads(states)
+    assert len(taken) == 7 and published() == ["w0", "w1", "w2"]
+    router.forget_published()  # the router actor restarted: every load sent again
+    router._publish_loads(states)
+    assert published() == ["w0", "w1", "w2"]
 
 
 def test_a_holder_whose_kv_pool_is_full_spills_its_group_and_the_pool_learns_what_memory_frees():

@@ -135,6 +135,24 @@ def test_pull_only_missing_suffix_and_prefer_deeper_holder_on_same_node():
     assert {r.holder for r in d.chosen.pulls} == {"A"}  # one source per node: the deepest
 
 
+def test_workers_on_one_node_get_the_pull_plan_each_would_get_alone():
+    """The ranking plans a pull once per node and depth (a target holds nothing deeper than its
+    own prefix, so the plan is its node's): every target's pulls are what ``plan_pull`` gives it."""
+    cm = model(("A", "n1"), ("A2", "n1"), ("B", "n2"), ("B2", "n2"), ("B3", "n2"), ("C", "n3"))
+    for src, dst in (("n1", "n2"), ("n3", "n2"), ("n1", "n3"), ("n3", "n1")):
+        teach_link(cm, src, dst, (1 + len(dst)) * GBIT)
+    holdings = {"A": 2048, "C": 1024, "B2": 512}
+    held = {w: cm.usable_tokens(2048, t) // BS for w, t in holdings.items()}
+    pulls = [c for c in cm.candidates(2048, holdings) if c.kind == "pulled"]
+    assert {c.worker for c in pulls} >= {"B", "B3", "B2", "C", "A2"}
+    for c in pulls:
+        level = (c.local_tokens + c.pulled_tokens) // BS
+        assert (c.pull_s, c.pulls) == cm.plan_pull(c.worker, c.local_tokens // BS, level, held)
+    by_worker = {c.worker: c for c in cm.rank(2048, holdings)}
+    assert by_worker["B"].copy_out_s == by_worker["B3"].copy_out_s == cm.copy_out_s("B", sorted(set(cm.nodes.values())),
+                                                                                    2032 * BPT)
+
+
 def test_same_node_holder_uses_local_link_prior():
     cm = model(("A", "n1"), ("B", "n1"))
     cm.observe_load("A", WorkerLoad(extra_wait_s=5.0))
