@@ -625,6 +625,8 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "shortlist 2": ({"max_candidates": 2}, 0.0, "new"),
     "shortlist 3": ({"max_candidates": 3}, 0.0, "new"),
     "shortlist 16": ({"max_candidates": 16}, 0.0, "new"),  # the product's default (--workers above 16)
+    "shortlist 8": ({"max_candidates": 8}, 0.0, "new"),
+    "shortlist 12": ({"max_candidates": 12}, 0.0, "new"),
     "relief copy 1.5": ({"relief_copy_weight": 1.5}, 0.0, "new"),
     "relief copy 2": ({"relief_copy_weight": 2.0}, 0.0, "new"),
     "relief copy 3": ({"relief_copy_weight": 3.0}, 0.0, "new"),
