@@ -620,8 +620,9 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "relief copy 0.5": ({"relief_copy_weight": 0.5}, 0.0, "new"),
     "relief ignores fill": ({"relief_fill": False}, 0.0, "new"),
     "quiet domains count": ({"domain_idle_gaps": 0.0}, 0.0, "new"),  # before session 33: a tenant's prefixes count while it is silent
-    # the router weighs at most 2 / 3 workers per request (its holders first, then the least busy):
-    # on 4 workers, what a short list costs placement (the product's default, 16, is all of them here)
+    # the router weighs at most N workers per request (its holders first, then the least busy,
+    # ``policies.placement.shortlist``): on 4 workers (2, 3) what a short list costs placement (the
+    # product's default, 16, is all of them there); 8-16 for --workers 16-64
     "shortlist 2": ({"max_candidates": 2}, 0.0, "new"),
     "shortlist 3": ({"max_candidates": 3}, 0.0, "new"),
     "shortlist 16": ({"max_candidates": 16}, 0.0, "new"),  # the product's default (--workers above 16)

@@ -52,11 +52,13 @@ ROUTE_TIMEOUT_S = 0.2
 # get when no request comes; at 1 s most requests' outcomes still cost a flush of their own.
 ROUTER_FLUSH_S = 5.0
 # A worker's KV memory signal (``CostAwareRouter._publish_loads``) is recomputed when its requests
-# in flight changed, else at most this often: the signal's times are relative to when it was taken
-# (seconds until each running request ends), so an unchanged worker's drifts by this much at most.
+# in flight changed, else at most this often. Its times (seconds until each running request ends)
+# are relative to when it was taken, and the router actor counts them down from when it got it
+# (``policies.routing.LOAD_AGE_MIN_S``); what an unchanged signal misses is the KV its running
+# requests add as they decode (a block per 16 tokens), so it is taken again now and then.
 # Recomputing every worker's for every request cost O(workers x requests in flight) per request:
 # 64 sequences on each of 16 workers, ~10 ms of the controller per request (bench/router_scale.py).
-LOAD_REFRESH_S = 0.2
+LOAD_REFRESH_S = 1.0
 # Workers ranked and weighed per request (``policies.placement.shortlist``: the prompt's holders,
 # then the least busy); 0: all. On 64 GPU-sized workers ranking all of them cost ~20 ms of the
 # controller and the router actor per request (bench/router_scale.py).

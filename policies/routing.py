@@ -39,6 +39,7 @@ import itertools
 import math
 import random
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Container, Iterable, Literal, Mapping, Sequence
@@ -507,11 +508,21 @@ class CostConfig:
     pull_overlaps_wait: bool = True
 
 
+# A worker's KV signal gives each running request's seconds until it ends as of when it was taken
+# (``kv_use``); the cost model counts them from when it got the signal, once that is this long ago
+# (the controller sends a worker's signal again only when its requests change, or every
+# ``cluster.routing.LOAD_REFRESH_S``). Younger signals are read as they are: the time between a
+# signal and the ranking it rides on is not worth a difference between otherwise equal workers.
+LOAD_AGE_MIN_S = 0.05
+
+
 class CostModel:
     """Shared estimates plus the TTFT arithmetic. One instance lives in the router actor."""
 
-    def __init__(self, config: CostConfig | None = None):
+    def __init__(self, config: CostConfig | None = None, clock=time.monotonic):
         self.config = config or CostConfig()
+        self.clock = clock
+        self._load_at: dict[WorkerId, float] = {}  # when each worker's load came
         self.links = LinkModel(self.config.link_prior)
         self._prefill: dict[WorkerId, PrefillModel] = {}
         self._pooled = PrefillModel(self.config.prefill_prior, window=self.config.window)
@@ -526,7 +537,7 @@ class CostModel:
         self.loads.setdefault(worker, WorkerLoad())
 
     def remove(self, worker: WorkerId) -> None:
-        for table in (self.nodes, self.loads, self._prefill, self._decode):
+        for table in (self.nodes, self.loads, self._prefill, self._decode, self._load_at):
             table.pop(worker, None)
 
     def observe_prefill(self, worker: WorkerId, new_tokens: int, seconds: float, cached_tokens: int = 0) -> None:
@@ -538,6 +549,7 @@ class CostModel:
 
     def observe_load(self, worker: WorkerId, load: WorkerLoad) -> None:
         self.loads[worker] = load
+        self._load_at[worker] = self.clock()
 
     def observe_outcome(self, worker: WorkerId, running: int, predicted_s: float, actual_s: float,
                         decode_wait_s: float = 0.0) -> None:
@@ -596,7 +608,11 @@ class CostModel:
         kv = 0.0
         if kv_need is not None and load.kv_tokens > 0:
             queue = [(n, model.predict(p) + d) for n, p, d in load.kv_waiting]
-            kv = kv_admission_s(load.kv_tokens, load.kv_running, queue, kv_need)
+            running = load.kv_running
+            age = self.clock() - self._load_at.get(worker, float("inf"))
+            if LOAD_AGE_MIN_S <= age < float("inf"):  # its running requests are that much nearer their ends
+                running = tuple((n, t - age) for n, t in running)
+            kv = kv_admission_s(load.kv_tokens, running, queue, kv_need)
         return max(wait, kv), decode, kv
 
     def usable_tokens(self, prompt_tokens: int, held: int) -> int:

@@ -82,6 +82,18 @@ def test_the_routers_decode_learning_is_an_app_argument_that_reaches_the_pool():
             AppSettings.from_args({"lend_hit_tokens": bad})
 
 
+def test_the_routers_short_list_is_an_app_argument_that_reaches_the_pool():
+    from cluster.app import AppSettings, pool_config
+    from policies.tenancy import Tenants
+
+    tenants = Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})
+    assert pool_config(AppSettings.from_args({}), tenants).router_max_candidates == 16
+    assert pool_config(AppSettings.from_args({"router_max_candidates": 0}), tenants).router_max_candidates == 0
+    for bad in (-1, "16", True, 2.5):
+        with pytest.raises(ValueError, match="router_max_candidates must be an integer >= 0"):
+            AppSettings.from_args({"router_max_candidates": bad})
+
+
 def test_the_idle_spill_of_hot_groups_is_an_app_argument_that_reaches_the_router():
     from cluster.app import AppSettings, pool_config
     from policies.tenancy import Tenants

@@ -537,6 +537,33 @@ def test_a_holder_whose_kv_pool_is_full_loses_to_a_recompute_on_a_worker_with_ro
     assert cm.rank(544, {"A": 528}, ["A", "B"])[0].worker == "A"
 
 
+def test_a_full_pools_running_requests_count_down_from_when_their_signal_came():
+    """A KV signal's times are seconds until each running request ends as of when it was sent;
+    the controller sends an unchanged worker's again only now and then, so the cost model counts
+    them down from when it got the signal (not within ``LOAD_AGE_MIN_S``: a signal and the ranking
+    it rides on come together)."""
+    from policies.routing import LOAD_AGE_MIN_S
+
+    now = [50.0]
+    cm = CostModel(CostConfig(block_size=BS, bytes_per_token=BPT), clock=lambda: now[0])
+    for w, node in (("A", "n1"), ("B", "n2")):
+        cm.register(w, node)
+    cm.observe_load("A", WorkerLoad(running=4, kv_tokens=2048, kv_running=((500, 8.0),) * 4))
+    cm.observe_load("B", WorkerLoad(kv_tokens=2048))
+
+    def kv_wait():
+        return {c.worker: c for c in cm.rank(544, {"A": 528}, ["A", "B"])}["A"].kv_wait_s
+    assert kv_wait() == pytest.approx(8.0)
+    now[0] += LOAD_AGE_MIN_S / 2
+    assert kv_wait() == pytest.approx(8.0)
+    now[0] += 3.0 - LOAD_AGE_MIN_S / 2
+    assert kv_wait() == pytest.approx(5.0)
+    now[0] += 10.0  # past their ends: room now
+    assert kv_wait() == 0.0
+    cm.observe_load("A", WorkerLoad(running=4, kv_tokens=2048, kv_running=((500, 8.0),) * 4))  # a new signal
+    assert kv_wait() == pytest.approx(8.0)
+
+
 def test_copy_out_is_the_median_time_to_send_the_prompt_from_a_worker_to_the_others():
     """A worker behind a slow link (n4 at 100 Mbit/s, the others at 1 Gbit/s between them) is the
     slow source of every copy of a prefix placed there; one node alone has nobody to copy to."""
