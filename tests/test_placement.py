@@ -756,7 +756,6 @@ def test_the_router_ranks_and_places_over_a_short_list_that_keeps_the_groups_hol
     only those workers."""
     from cluster.routing import CostAwareRouter
     from cluster.types import WorkerState
-    from engine.sequence import Request, SamplingParams
 
     states = [WorkerState(f"w{i}", None, info={"num_blocks": 48}) for i in range(6)]
     cm = _cost_model([w.worker_id for w in states])
@@ -768,18 +767,32 @@ def test_the_router_ranks_and_places_over_a_short_list_that_keeps_the_groups_hol
             return await super().rank(prompt_tokens, holdings, workers, pending, shared)
     router = CostAwareRouter("m", BS, index=None, client=_Seen(cm), worker_lookup=lambda w: None, timeout_s=0.01,
                              max_candidates=3)
-    items = shared_prefix(groups=3, users=4, seed=4)
-    where: dict[str, set] = {}
-    for i, it in enumerate(items):
-        req = Request(f"r{i}", it.prompt_ids, SamplingParams(max_tokens=it.max_tokens), tenant="t")
-        choice = asyncio.run(router.choose(req, states))
-        where.setdefault(it.group, set()).add(choice.worker_id)
-        assert choice.worker_id in ranked[-1]
+    routed = _route_items(router, states, shared_prefix(groups=3, users=4, seed=4))
+    where = _workers_by_group(routed)
+    assert len(ranked) == len(routed) and all(c.worker_id in r for (_, c), r in zip(routed, ranked))
     assert all(len(r) == 3 for r in ranked)
     assert all(len(ws) == 1 for ws in where.values())  # every group stayed on its first worker
 
 
 # -- the router in the pool, with fake index/router actors -------------------------------------
+def _route_items(router, states, items, prefix="r"):
+    """Route each item in turn (tenant "t"): [(item, RouteChoice)]."""
+    from engine.sequence import Request, SamplingParams
+
+    out = []
+    for i, it in enumerate(items):
+        req = Request(f"{prefix}{i}", it.prompt_ids, SamplingParams(max_tokens=it.max_tokens), tenant="t")
+        out.append((it, asyncio.run(router.choose(req, states))))
+    return out
+
+
+def _workers_by_group(routed) -> dict[str, set]:
+    where: dict[str, set] = {}
+    for it, choice in routed:
+        where.setdefault(it.group, set()).add(choice.worker_id)
+    return where
+
+
 class _FakeClient:
     def __init__(self, cm):
         self.cm, self.reports = cm, []
@@ -801,12 +814,9 @@ def test_cost_aware_router_places_groups_and_counts_and_falls_back_without_actor
     router = CostAwareRouter("m", BS, index=None, client=_FakeClient(cm), worker_lookup=lambda w: None,
                              timeout_s=0.01)
     items = shared_prefix(groups=4, users=3, seed=2)
-    where: dict[str, set] = {}
-    for i, it in enumerate(items):
-        req = Request(f"r{i}", it.prompt_ids, SamplingParams(max_tokens=it.max_tokens), tenant="t")
-        choice = asyncio.run(router.choose(req, states))
-        where.setdefault(it.group, set()).add(choice.worker_id)
-        assert choice.placement in ("place", "match")
+    routed = _route_items(router, states, items)
+    where = _workers_by_group(routed)
+    assert all(c.placement in ("place", "match") for _, c in routed)
     assert all(len(ws) == 1 for ws in where.values()) and len(set().union(*where.values())) == 4
     assert router.placements == Counter({"place": 4, "match": 8})
     # without the router actor (rank answers None): placement on the pool's loads, same grouping
