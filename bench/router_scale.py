@@ -298,7 +298,8 @@ async def placement_memory(profile: Profile, workers: int, requests: int, seed: 
 
 def baseline_rows(args) -> list[dict]:
     """This script's measurement of ``args.baseline``'s code (``git archive`` of it, run with
-    ``--tree``), every worker ranked: the rows it wrote."""
+    ``--tree``), with the same short lists (a tree from before the short list ranks every
+    worker): the rows it wrote."""
     with tempfile.TemporaryDirectory(prefix="router-scale-") as tmp:
         tree = Path(tmp) / "tree"
         tree.mkdir()
@@ -306,7 +307,7 @@ def baseline_rows(args) -> list[dict]:
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
         out = Path(tmp) / "rows.json"
         cmd = [sys.executable, __file__, f"--tree={tree}", "--workers", args.workers, "--profiles", args.profiles,
-               "--max-candidates", "0", "--requests", str(args.requests), "--warmup", str(args.warmup),
+               "--max-candidates", args.max_candidates, "--requests", str(args.requests), "--warmup", str(args.warmup),
                "--seed", str(args.seed), "--json", str(out), "--memory" if args.memory else "--no-memory"]
         print(f"baseline {args.baseline}:", flush=True)
         subprocess.run(cmd, check=True)
@@ -314,16 +315,18 @@ def baseline_rows(args) -> list[dict]:
 
 
 def speedups(base: list[dict], rows: list[dict]) -> list[dict]:
-    """Per row, the baseline's time per request (p50, same profile and size) against this tree's."""
-    ref = {(b["profile"], b["workers"]): b for b in base}
+    """Per row, the baseline's time per request (p50, same profile, size and short list; a
+    baseline without short lists: its row of every worker ranked) against this tree's."""
+    ref = {(b["profile"], b["workers"], b["max_candidates"]): b for b in base}
     out = []
     for r in rows:
-        b = ref.get((r["profile"], r["workers"]))
+        b = ref.get((r["profile"], r["workers"], r["max_candidates"])) or ref.get((r["profile"], r["workers"], 0))
         if b is None:
             continue
         ctl = (b["controller"]["p50_ms"], r["controller"]["p50_ms"])
         rtr = (b["router"]["p50_ms"], r["router"]["p50_ms"])
         out.append({"profile": r["profile"], "workers": r["workers"], "max_candidates": r["max_candidates"],
+                    "baseline_max_candidates": b["max_candidates"],
                     "controller_ms": ctl, "router_ms": rtr, "controller_x": round(ctl[0] / max(ctl[1], 1e-9), 2),
                     "router_x": round(rtr[0] / max(rtr[1], 1e-9), 2)})
     return out
@@ -341,7 +344,8 @@ def main() -> None:
                     help="measure the router's memory (a second pass under tracemalloc)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--baseline", default=None,
-                    help="a git revision: measure its code the same way first (every worker ranked) and print "
+                    help="a git revision: measure its code the same way first (the same short lists, where it "
+                         "has them) and print "
                          "this tree's time per request against it")
     ap.add_argument("--tree", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=str(ROOT / "bench/results/router_scale.json"))
@@ -373,7 +377,7 @@ def main() -> None:
         doc["baseline"] = {"revision": args.baseline, "rows": base, "speedup": speedups(base, rows)}
         for r in doc["baseline"]["speedup"]:
             print(f"{r['profile']:>4} {r['workers']:>4} workers, {r['max_candidates'] or 'all':>3} ranked against "
-                  f"{args.baseline} (all ranked): controller {r['controller_ms'][0]:.2f} -> {r['controller_ms'][1]:.2f}"
+                  f"{args.baseline} ({r['baseline_max_candidates'] or 'all'} ranked): controller {r['controller_ms'][0]:.2f} -> {r['controller_ms'][1]:.2f}"
                   f" ms ({r['controller_x']:.1f}x), router {r['router_ms'][0]:.2f} -> {r['router_ms'][1]:.2f} ms "
                   f"({r['router_x']:.1f}x)", flush=True)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

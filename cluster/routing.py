@@ -37,7 +37,8 @@ from cluster.types import NO_LOAN, HitLoan, LeastLoadedRouter, RouteChoice, Work
 from engine.sequence import Request
 from policies.placement import PlacementConfig, Placer, leading_key, shortlist
 from policies.replication import ReplicationConfig, ReplicationPolicy
-from policies.routing import ROW_FIT_WEIGHT, DecodeModel, KvFlight, WorkerLoad, held_prefix, kv_use, pull_deadline_s
+from policies.routing import (ROW_FIT_WEIGHT, DecodeModel, KvFlight, WorkerLoad, held_prefix, kv_counted, kv_use,
+                              pull_deadline_s)
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,10 @@ class CostAwareRouter:
         self._published: dict[str, WorkerLoad] = {}
         # per worker: (what its signal was taken from, when, the signal, the prompt blocks it holds)
         self._kv_taken: dict[str, tuple[tuple, float, WorkerLoad, set]] = {}
+        # per worker: its requests in flight (ids, how many run, the output cap), them as the
+        # signal reads them, when, and ``kv_counted`` of them: kept while a signal is retaken only
+        # because time passed (building them and counting their blocks was most of its cost)
+        self._kv_flights: dict[str, tuple[tuple, list[KvFlight], float, tuple]] = {}
         self.replication = ReplicationPolicy(replication)
         self.placer = Placer(placement)
         # seconds one more sequence decoding beside a request adds to each of its output tokens: the
@@ -270,6 +275,7 @@ class CostAwareRouter:
         """Resend every load with the next ranking (the router actor restarted empty)."""
         self._published.clear()
         self._kv_taken.clear()
+        self._kv_flights.clear()
 
     def _publish_loads(self, candidates: Sequence[WorkerState], blocks: tuple = ()) -> dict[str, int]:
         """Each candidate's queue for the cost model: the prompt tokens each routed request
@@ -307,11 +313,15 @@ class CostAwareRouter:
         held: set = set()
         if tpot and num_blocks and self.kv_memory:
             cap = output_cap(w.output_tokens) if w.output_tokens else None
-            flights = [KvFlight(f.prompt_tokens, f.cached_tokens, f.blocks,
-                                f.max_tokens if cap is None else min(f.max_tokens, cap),
-                                None if f.started_at is None else now - f.started_at)
-                       for f in w.flights.values()]
-            running, waiting, held = kv_use(flights, tpot, self.block_size)
+            shape = (tuple(w.flights), w.running, cap)
+            read = self._kv_flights.get(w.worker_id)
+            if read is None or read[0] != shape:
+                flights = [KvFlight(f.prompt_tokens, f.cached_tokens, f.blocks,
+                                    f.max_tokens if cap is None else min(f.max_tokens, cap),
+                                    None if f.started_at is None else now - f.started_at)
+                           for f in w.flights.values()]
+                read = self._kv_flights[w.worker_id] = (shape, flights, now, kv_counted(flights))
+            running, waiting, held = kv_use(read[1], tpot, self.block_size, read[3], now - read[2])
             kv = dict(kv_tokens=num_blocks * self.block_size, kv_running=running, kv_waiting=waiting)
         load = WorkerLoad(waiting_tokens=tuple(n for n in w.queued.values() if n), running=w.running, **kv)
         self._kv_taken[w.worker_id] = (taken, now, load, held)

@@ -314,7 +314,8 @@ class ShadowCache:
     _anon = itertools.count()
 
     def __init__(self, capacity_blocks: int, on_evict: Callable[[Hashable, float, float], None] | None = None,
-                 seed_s: float = 120.0, holders: Counter | None = None):
+                 seed_s: float = 120.0, holders: Counter | None = None,
+                 heads: dict[Hashable, set] | None = None, owner: Hashable = None):
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
         self.capacity = capacity_blocks
@@ -322,6 +323,11 @@ class ShadowCache:
         # victim held elsewhere is asked once per candidate worker per request: a count, not a scan
         # of every other shadow, keeps a decision linear in the workers)
         self.holders = holders
+        # shared the same way: per chain head (a prompt's first block), the owners (worker ids) of
+        # the shadows holding it. A shadow without a chain's head holds nothing of it (its blocks
+        # enter together and leave deepest first), so a prompt's holders are found from its heads
+        # without visiting every worker's shadow
+        self.heads, self.owner = heads, owner
         self._lru: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()  # key -> (inserted, last used)
         self.shared = 0  # keys a later prompt may ask for (not private): the prefixes it holds
         # of those, the keys that are a prefix (``prefix_blocks``): asked for by a second request
@@ -368,6 +374,8 @@ class ShadowCache:
                 self._seeded[key] = now
                 self._set_domain(key, domain)
             self._put(key, now)
+        if self.heads is not None and chain and chain[0] in self._lru:
+            self.heads.setdefault(chain[0], set()).add(self.owner)
 
     def _set_domain(self, key: Hashable, domain: str | None) -> None:
         old = self._domain.get(key)
@@ -404,7 +412,7 @@ class ShadowCache:
         for k in self._lru:  # the copy takes this one's place in the count: what overflowed leaves it
             if k not in fresh._lru:
                 self._count(k, -1)
-        fresh.holders = self.holders
+        fresh.holders, fresh.heads, fresh.owner = self.holders, self.heads, self.owner
         fresh._prefix = {k for k in self._prefix if k in fresh._lru}
         fresh._seeded = OrderedDict((k, t) for k, t in self._seeded.items() if k in fresh._lru)
         for k, d in self._domain.items():
@@ -418,9 +426,16 @@ class ShadowCache:
         self._set_domain(key, None)
 
     def _count(self, key: Hashable, step: int) -> None:
-        """``key`` entered (``step`` 1) or left (-1) this cache: the shared ``holders`` count."""
+        """``key`` entered (``step`` 1) or left (-1) this cache: the shared ``holders`` count
+        (and, as it leaves, ``heads``)."""
         if self.holders is None or _private(key):
             return
+        if step < 0 and self.heads is not None:
+            owners = self.heads.get(key)
+            if owners is not None:
+                owners.discard(self.owner)
+                if not owners:
+                    del self.heads[key]
         n = self.holders.get(key, 0) + step
         if n > 0:
             self.holders[key] = n
@@ -875,6 +890,7 @@ class Placer:
         self.default_capacity = default_capacity
         self.shadows: dict[WorkerId, ShadowCache] = {}
         self._holders: Counter[Hashable] = Counter()  # per shareable key, the shadows holding it
+        self._heads: dict[Hashable, set[WorkerId]] = {}  # per chain head, the workers whose shadows hold it
         self.placements: Counter[str] = Counter()  # decisions by rule (match | spill | balance | idle | place; -fallback)
         # the last ``DECISION_LOG`` decisions that give a group a worker (every rule but "match"),
         # with what each candidate looked like: how a group split over the workers came about
@@ -897,7 +913,8 @@ class Placer:
         s = self.shadows.get(worker)
         if s is None or (capacity_blocks and s.capacity != capacity_blocks):
             s = self.shadows[worker] = s.resized(capacity_blocks) if s is not None else ShadowCache(
-                capacity_blocks or self.default_capacity, self.reuse.evicted, self.config.prefix_seed_s, self._holders)
+                capacity_blocks or self.default_capacity, self.reuse.evicted, self.config.prefix_seed_s, self._holders,
+                self._heads, worker)
         return s
 
     def remove(self, worker: WorkerId) -> None:
@@ -994,8 +1011,12 @@ class Placer:
         index did not answer, so nothing is reconciled (a timed-out lookup is not evidence that
         a prefix is gone: treating it as such emptied the record under load)."""
         out: dict[WorkerId, int] = {}
-        for w in workers:
-            s = self.shadow(w)
+        holding: set[WorkerId] = set()  # only shadows with a chain's head hold any of it
+        for chain in chains.values():
+            if chain:
+                holding.update(self._heads.get(chain[0], ()))
+        for w in [w for w in workers if w in holding] if holding else ():
+            s = self.shadows[w]
             best = 0
             for chain in chains.values():
                 # a shadow holds a chain's blocks from its first (a prompt's blocks enter together and

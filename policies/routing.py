@@ -42,7 +42,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Container, Iterable, Literal, Mapping, Sequence
+from typing import Container, Iterable, Literal, Mapping, NamedTuple, Sequence
 
 WorkerId = str
 NodeId = str
@@ -327,9 +327,9 @@ class WorkerLoad:
     kv_waiting: tuple[tuple[int, int, float], ...] = ()
 
 
-@dataclass(frozen=True)
-class KvFlight:
-    """A request in flight on a worker, as the memory signal sees it (``kv_use``)."""
+class KvFlight(NamedTuple):
+    """A request in flight on a worker, as the memory signal sees it (``kv_use``). A named tuple:
+    the controller builds one per request in flight per worker whose signal it retakes."""
 
     prompt_tokens: int
     cached_tokens: int  # prompt tokens expected reused there (local + pulled): not computed
@@ -338,33 +338,55 @@ class KvFlight:
     running_s: float | None = None  # seconds since its first token; None: waiting for it
 
 
-def kv_use(flights: Iterable[KvFlight], tpot_s: float, block_size: int) -> tuple[tuple, tuple, set]:
+def kv_counted(flights: Sequence[KvFlight]) -> tuple[tuple[int, ...], tuple[int, ...], set]:
+    """The part of ``kv_use`` that changes only with the requests in flight (which there are,
+    their blocks, which have started), not with time: ``(order, shared, held)``, the order they
+    are counted in (indices into ``flights``: running ones first, routing order within each),
+    each one's leading blocks (in that order) an earlier one holds, and every block hash held. A
+    prompt block several requests share is counted once (the same hash is the same KV), for the
+    first that holds it. The controller keeps it while its requests there stay the same and
+    retakes only ``kv_use``'s times (held_prefix and the set were most of the signal's cost)."""
+    order = tuple(sorted(range(len(flights)), key=lambda i: flights[i].running_s is None))  # stable
+    shared, held = [], set()
+    for i in order:
+        blocks = flights[i].blocks
+        n = held_prefix(blocks, held)
+        held.update(itertools.islice(blocks, n, None))  # its first ``n`` are in already
+        shared.append(n)
+    return order, tuple(shared), held
+
+
+def kv_use(flights: Sequence[KvFlight], tpot_s: float, block_size: int,
+           counted: tuple[tuple[int, ...], tuple[int, ...], set] | None = None,
+           elapsed_s: float = 0.0) -> tuple[tuple, tuple, set]:
     """``(kv_running, kv_waiting, held)`` of ``WorkerLoad`` from the requests in flight on a
     worker (waiting ones in routing order) and ``tpot_s`` there (seconds per output token). A
-    prompt block several requests share is counted once (chain hashes: the same hash is the same
-    KV), for the first request that holds it: running ones first, then waiting ones in order. A
-    running request holds its prompt and the output produced so far (``running_s / tpot_s``)
-    and ends after the rest of its expected output (one past that end: a quarter of it more); a
-    waiting one will hold its prompt and one token. Sizes are whole blocks, in tokens (a 40-token
-    suffix and 16 output tokens take 4 blocks: 64 tokens). ``held``: every block hash counted (a
-    new request needs no room for these)."""
-    running, waiting, held = [], [], set()
+    prompt block several requests share is counted once, for the first request that holds it:
+    running ones first, then waiting ones in order (``kv_counted``; ``counted`` is its answer
+    for these flights, taken earlier). A running request holds its prompt and the output
+    produced so far (``running_s / tpot_s``) and ends after the rest of its expected output (one
+    past that end: a quarter of it more); a waiting one will hold its prompt and one token. Sizes
+    are whole blocks, in tokens (a 40-token suffix and 16 output tokens take 4 blocks: 64
+    tokens). ``held``: every block hash counted (a new request needs no room for these).
+    ``elapsed_s``: seconds since the flights' ``running_s`` were read (the running ones have run
+    that much longer), so that a signal is retaken from the same flights as time passes."""
+    running, waiting = [], []
     tpot = max(tpot_s, 1e-6)
-    flights = sorted(flights, key=lambda f: f.running_s is None)  # stable: routing order within each
-    for f in flights:
-        shared = held_prefix(f.blocks, held)
-        held.update(itertools.islice(f.blocks, shared, None))  # its first ``shared`` are in already
+    order, shares, held = counted if counted is not None else kv_counted(flights)
+    for i, shared in zip(order, shares):
+        f = flights[i]
         if f.running_s is None:
             own = kv_blocks(f.prompt_tokens + 1, block_size) - shared
             waiting.append((own * block_size, max(0, f.prompt_tokens - f.cached_tokens),
                             round(f.output_tokens * tpot, 2)))
         else:
-            produced = min(f.output_tokens, int(max(0.0, f.running_s) / tpot) + 1)
+            running_s = f.running_s + elapsed_s
+            produced = min(f.output_tokens, int(max(0.0, running_s) / tpot) + 1)
             own = kv_blocks(f.prompt_tokens + produced, block_size) - shared
             # still running past its expected end: its steps were longer than the worker's recent
             # average (prefills of requests admitted meanwhile share them); it holds its blocks for
             # a quarter of its expected life more (at least a step), not "ends now"
-            left = max(f.output_tokens * tpot - f.running_s, tpot * max(1, f.output_tokens // 4))
+            left = max(f.output_tokens * tpot - running_s, tpot * max(1, f.output_tokens // 4))
             running.append((own * block_size, round(left, 2)))
     return tuple(running), tuple(waiting), held
 

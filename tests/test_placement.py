@@ -697,7 +697,8 @@ def test_cost_model_counts_pending_as_local_never_as_a_pull_source():
 def test_the_count_of_workers_holding_a_block_follows_every_change_of_their_shadows():
     """A victim held elsewhere is not charged (``discount_held_elsewhere``); the Placer counts per
     block the shadows holding it instead of scanning them all per victim: the count and the answer
-    stay those of a scan through touches, evictions, reconciles, resizes and removed workers."""
+    stay those of a scan through touches, evictions, reconciles, resizes and removed workers; so
+    do the holders of each chain's head, and the prompt holders found from them."""
     import random as _random
 
     from policies.placement import _private
@@ -716,6 +717,12 @@ def test_the_count_of_workers_holding_a_block_follows_every_change_of_their_shad
             elsewhere = placer._held_elsewhere(w)
             for k in scan:
                 assert elsewhere(k) == any(k in s for v, s in placer.shadows.items() if v != w)
+        # the chain heads' holders, by which a prompt's holders are found without visiting every shadow
+        heads = {c[0]: {w for w, s in placer.shadows.items() if c[0] in s} for c in chains}
+        assert placer._heads == {k: ws for k, ws in heads.items() if ws}
+        for chain in chains:
+            matched = {w: s.match(chain) for w, s in placer.shadows.items()}
+            assert placer.pending({"t": chain}, None, workers, 0.0) == {w: n for w, n in matched.items() if n}
 
     for step in range(300):
         w = rng.choice(workers)
@@ -1144,19 +1151,24 @@ def test_a_burst_of_new_prompts_ranked_at_once_spreads_over_the_workers():
 def test_a_workers_load_is_taken_again_when_its_requests_change_or_it_grew_stale(monkeypatch):
     """Every routed request publishes the candidates' loads; a worker's KV signal (``kv_use``
     over its requests in flight) is computed again only for a worker whose requests in flight
-    changed, or once ``LOAD_REFRESH_S`` passed: the rest are the loads the router actor has."""
+    changed, or once ``LOAD_REFRESH_S`` passed: the rest are the loads the router actor has. Which
+    blocks each request holds (``kv_counted``) is taken again only when the requests change."""
     import cluster.routing as routing
     from cluster.routing import CostAwareRouter
     from cluster.types import InFlight, WorkerState
 
-    taken = []
-    real = routing.kv_use
+    taken, counted = [], []
+    real, real_counted = routing.kv_use, routing.kv_counted
 
-    def counting(flights, tpot_s, block_size):
-        flights = list(flights)
+    def counting(flights, tpot_s, block_size, *rest):
         taken.append(len(flights))
-        return real(flights, tpot_s, block_size)
+        return real(flights, tpot_s, block_size, *rest)
+
+    def counting_shares(flights):
+        counted.append(len(flights))
+        return real_counted(flights)
     monkeypatch.setattr(routing, "kv_use", counting)
+    monkeypatch.setattr(routing, "kv_counted", counting_shares)
     clock = [100.0]
     monkeypatch.setattr(routing.time, "monotonic", lambda: clock[0])
     states = [WorkerState(f"w{i}", None, info={"num_blocks": 64}) for i in range(3)]
@@ -1181,9 +1193,16 @@ def test_a_workers_load_is_taken_again_when_its_requests_change_or_it_grew_stale
     states[1].queued["n"] = 50
     router._publish_loads(states)
     assert len(taken) == 4 and published() == ["w1"] and router._published["w1"].waiting_tokens == (50,)
+    assert counted == [2, 2, 2, 3]  # which blocks each request holds: taken for w1's new set of requests
     clock[0] += routing.LOAD_REFRESH_S  # stale: every signal taken again (their times moved on)
     router._publish_loads(states)
     assert len(taken) == 7 and published() == ["w0", "w1", "w2"]
+    assert counted == [2, 2, 2, 3]  # ... but not for time alone: the same requests hold the same blocks
+    states[0].queued.clear()
+    states[0].flights["f00"].started_at = None  # (as if) f00 had not started: the order they are counted in changes
+    states[0].running = 1
+    router._publish_loads(states)
+    assert counted == [2, 2, 2, 3, 2] and published() == ["w0"]
     router.forget_published()  # the router actor restarted: every load sent again
     router._publish_loads(states)
     assert published() == ["w0", "w1", "w2"]

@@ -32,3 +32,9 @@ def test_speedups_pair_each_row_with_the_baselines_of_its_size():
             {**row, "workers": 4, "controller": {"p50_ms": 1.0}, "router": {"p50_ms": 1.0}}]
     (s,) = speedups(base, [row, {**row, "workers": 64}])
     assert s["controller_x"] == 8.0 and s["router_x"] == 3.0 and s["controller_ms"] == (16.0, 2.0)
+    # a short list is paired with the baseline's same list, else (a tree without them) with every worker ranked
+    short = {**row, "max_candidates": 8, "controller": {"p50_ms": 1.0}}
+    (a,) = speedups(base, [short])
+    assert a["controller_ms"] == (16.0, 1.0) and a["baseline_max_candidates"] == 0
+    (b,) = speedups(base + [{**short, "controller": {"p50_ms": 4.0}}], [short])
+    assert b["controller_ms"] == (4.0, 1.0) and b["baseline_max_candidates"] == 8
