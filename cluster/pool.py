@@ -373,7 +373,7 @@ class WorkerPool:
     def _kill(self, ws: WorkerState) -> None:
         self.workers.pop(ws.worker_id, None)
         if isinstance(self.router, CostAwareRouter):
-            self.router.placer.remove(ws.worker_id)
+            self.router.remove(ws.worker_id)
         if self.config.cost_aware_routing and self._router_client is not None:
             self._router_client.report("remove", ws.worker_id)
         try:

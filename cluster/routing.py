@@ -271,6 +271,12 @@ class CostAwareRouter:
             ws.actor.prefetch.remote(request, copy)
             self.placer.commit(wid, chains[request.domain][:pulls[-1].end_block], 0, now, request.domain)
 
+    def remove(self, worker_id: str) -> None:
+        """``worker_id`` left the pool: its shadow cache and the router's copies of its load go."""
+        self.placer.remove(worker_id)
+        for d in (self._published, self._kv_taken, self._kv_flights):
+            d.pop(worker_id, None)
+
     def forget_published(self) -> None:
         """Resend every load with the next ranking (the router actor restarted empty)."""
         self._published.clear()

@@ -1152,7 +1152,8 @@ def test_a_workers_load_is_taken_again_when_its_requests_change_or_it_grew_stale
     """Every routed request publishes the candidates' loads; a worker's KV signal (``kv_use``
     over its requests in flight) is computed again only for a worker whose requests in flight
     changed, or once ``LOAD_REFRESH_S`` passed: the rest are the loads the router actor has. Which
-    blocks each request holds (``kv_counted``) is taken again only when the requests change."""
+    blocks each request holds (``kv_counted``) is taken again only when the requests change; a
+    worker that leaves the pool leaves nothing with the router."""
     import cluster.routing as routing
     from cluster.routing import CostAwareRouter
     from cluster.types import InFlight, WorkerState
@@ -1203,9 +1204,12 @@ def test_a_workers_load_is_taken_again_when_its_requests_change_or_it_grew_stale
     states[0].running = 1
     router._publish_loads(states)
     assert counted == [2, 2, 2, 3, 2] and published() == ["w0"]
+    router.remove("w2")  # the worker left the pool: nothing of it stays with the router
+    assert all("w2" not in d for d in (router._published, router._kv_taken, router._kv_flights, router.placer.shadows))
+    states.pop()
     router.forget_published()  # the router actor restarted: every load sent again
     router._publish_loads(states)
-    assert published() == ["w0", "w1", "w2"]
+    assert published() == ["w0", "w1"]
 
 
 def test_a_holder_whose_kv_pool_is_full_spills_its_group_and_the_pool_learns_what_memory_frees():
