@@ -1015,7 +1015,11 @@ class Placer:
         for chain in chains.values():
             if chain:
                 holding.update(self._heads.get(chain[0], ()))
-        for w in [w for w in workers if w in holding] if holding else ():
+        if not holding:
+            return out
+        for w in workers:
+            if w not in holding:
+                continue
             s = self.shadows[w]
             best = 0
             for chain in chains.values():

@@ -368,8 +368,9 @@ def kv_use(flights: Sequence[KvFlight], tpot_s: float, block_size: int,
     past that end: a quarter of it more); a waiting one will hold its prompt and one token. Sizes
     are whole blocks, in tokens (a 40-token suffix and 16 output tokens take 4 blocks: 64
     tokens). ``held``: every block hash counted (a new request needs no room for these; the set
-    of ``counted`` itself, not a copy: read it, do not change it). ``elapsed_s``: seconds since the flights' ``running_s`` were read (the running ones have run
-    that much longer), so that a signal is retaken from the same flights as time passes."""
+    of ``counted`` itself, not a copy: read it, do not change it). ``elapsed_s``: seconds since
+    the flights' ``running_s`` were read (the running ones have run that much longer), so that a
+    signal is retaken from the same flights as time passes."""
     running, waiting = [], []
     tpot = max(tpot_s, 1e-6)
     order, shares, held = counted if counted is not None else kv_counted(flights)
