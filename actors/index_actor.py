@@ -35,6 +35,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
 
 from actors.head_affinity import on_head
+from actors.heap import HeapFreezer
 from actors.index_publisher import SlotUpdate, decode_message
 from actors.prefix_index import PrefixIndex
 from actors.slot_registry import SlotKey, SlotRegistry
@@ -49,8 +50,11 @@ class IndexActor:
     """Thin shell: every method is a few lines over ``PrefixIndex`` / ``SlotRegistry``."""
 
     def __init__(self, block_size: int = 16, liveness_s: float = 1.0, stale_s: float = 30.0,
-                 ping_timeout_s: float = 5.0):
+                 ping_timeout_s: float = 5.0, freeze_every: int = 20_000):
         self.index = PrefixIndex(block_size)
+        # the trie's nodes leave the full garbage collections (``actors.heap``): frozen every
+        # ``freeze_every`` new nodes (0: never, CPython's own collections only)
+        self.heap = HeapFreezer(max(1, freeze_every), enabled=freeze_every > 0)
         self.slots = SlotRegistry()
         self.epoch = uuid.uuid4().hex
         self.started_at = time.time()
@@ -79,9 +83,11 @@ class IndexActor:
         if batch.block_size != self.index.block_size:
             log.warning("worker %s publishes block size %d, index uses %d", batch.worker_id,
                         batch.block_size, self.index.block_size)
+        made = self.index.created
         ok = self.index.apply_batch(batch)
         if ok:
             self._apply_slots(batch.worker_id, slots)
+        self.heap.grew(self.index.created - made, len(self.index))
         if handle is not None and ok:
             self.handles[batch.worker_id] = handle
             self._watch(batch.worker_id, handle)
@@ -207,7 +213,8 @@ class IndexActor:
 
     async def stats(self) -> dict:
         return {"epoch": self.epoch, "started_at": self.started_at, "blocks": len(self.index),
-                "workers": len(self.index.workers()), "slots": len(self.slots), **self.counters}
+                "workers": len(self.index.workers()), "slots": len(self.slots), "heap": self.heap.stats(),
+                **self.counters}
 
     # -- template slots --------------------------------------------------------------------
     async def register_slot(self, template_id: str, slot_class: str, domain: str, worker_id: str,

@@ -77,6 +77,60 @@ def _add_kid(holder, key, child: _Node) -> None:
         holder.children = {cur, child}
 
 
+class _Shards:
+    """The index's nodes by hash: a dict split by the hash's first byte into 256 dicts (block
+    hashes are sha256 bytes, so the shards fill evenly; a feed that lies about hashes can at worst
+    fill one, which is where one dict was). One dict of millions of keys stops its process while
+    it grows (a 2.8M-key dict's rehash took 0.14 s here) and again each time inserts after deletes
+    use up its room (0.86 s at 4.3M keys after 1.3M inserts under churn: ``bench/heap_stalls.py``);
+    a shard rehashes 1/256 of that. The hot paths index ``shards[h[0]]`` inline (a method call
+    per probe cost lookups ~20%; this costs them nothing measurable, ``bench/index.py``)."""
+
+    __slots__ = ("shards", "size")
+
+    def __init__(self):
+        self.shards: list[dict[BlockHash, _Node]] = [{} for _ in range(256)]
+        self.size = 0
+
+    def get(self, key, default=None):
+        return self.shards[key[0]].get(key, default)
+
+    def __getitem__(self, key) -> _Node:
+        return self.shards[key[0]][key]
+
+    def __contains__(self, key) -> bool:
+        return key in self.shards[key[0]]
+
+    def __setitem__(self, key, node: _Node) -> None:
+        shard = self.shards[key[0]]
+        self.size += key not in shard
+        shard[key] = node
+
+    def __delitem__(self, key) -> None:
+        del self.shards[key[0]][key]
+        self.size -= 1
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        for shard in self.shards:
+            yield from shard
+
+    def values(self):
+        for shard in self.shards:
+            yield from shard.values()
+
+    def items(self):
+        for shard in self.shards:
+            yield from shard.items()
+
+    def clear(self) -> None:
+        for shard in self.shards:
+            shard.clear()
+        self.size = 0
+
+
 @dataclass(frozen=True)
 class Batch:
     """One decoded publish message of a worker (see ``actors.index_publisher`` for the wire)."""
@@ -110,12 +164,13 @@ class PrefixIndex:
     def __init__(self, block_size: int = 16, clock: Callable[[], float] = time.monotonic):
         self.block_size = block_size
         self.clock = clock
-        self._nodes: dict[BlockHash, _Node] = {}
+        self._nodes = _Shards()
         self._orphans: dict[BlockHash, _Node | set[_Node]] = {}
         self._feeds: dict[WorkerId, _Feed] = {}
         self._slot_owner: list[WorkerId | None] = []
         self._domains: dict[str, str] = {}
         self._owner_cache: dict[int, tuple[WorkerId, ...]] = {}  # bits -> workers; reset on slot changes
+        self.created = 0  # nodes ever made (the index actor's ``HeapFreezer`` counts them)
 
     # -- queries ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -162,7 +217,7 @@ class PrefixIndex:
             for bit, blocks in best.items():
                 starts[blocks] = starts.get(blocks, 0) | bit
         order = sorted(starts)
-        nodes, runs, active, i, p = self._nodes, [], 0, 0, (order[0] if order else n)
+        shards, runs, active, i, p = self._nodes.shards, [], 0, 0, (order[0] if order else n)
         while p < n:
             while i < len(order) and order[i] <= p:
                 active |= starts[order[i]]
@@ -174,7 +229,8 @@ class PrefixIndex:
                 continue
             held = 0
             for domain, chain in items:
-                node = nodes.get(chain[p])
+                h = chain[p]
+                node = shards[h[0]].get(h)
                 if node is not None and node.domain == domain:
                     held |= node.workers
                     node.last = now
@@ -192,15 +248,17 @@ class PrefixIndex:
         with every ancestor, all of ``domain``. ``full`` only shrinks along a chain, so each
         distinct run end is found by one binary search (about log2 n probes); a probed node of
         another domain counts as held by none, and every node past it has an empty ``full``."""
-        nodes, n, out = self._nodes, len(chain), []
+        shards, n, out = self._nodes.shards, len(chain), []
         if not n:
             return out
-        node = nodes.get(chain[0])
+        h = chain[0]
+        node = shards[h[0]].get(h)
         if node is None or node.domain != domain or not node.full:
             return out
         node.last = now
         cur = node.full
-        node = nodes.get(chain[n - 1])
+        h = chain[n - 1]
+        node = shards[h[0]].get(h)
         if node is not None and node.domain == domain:
             node.last = now
             end = node.full & cur
@@ -211,7 +269,8 @@ class PrefixIndex:
             a, b, fb = lo, n - 1, end  # full(a) ⊇ cur; full(b) ∩ cur = fb ≠ cur
             while b - a > 1:
                 mid = (a + b) >> 1
-                node = nodes.get(chain[mid])
+                h = chain[mid]
+                node = shards[h[0]].get(h)
                 if node is not None and node.domain == domain:
                     node.last = now
                     fm = node.full & cur
@@ -335,12 +394,15 @@ class PrefixIndex:
         if parent == h:  # a lying feed (the wire decoder refuses it): a self-loop would corrupt the trie
             return
         nodes = self._nodes
-        node = nodes.get(h)
+        shards, shard = nodes.shards, nodes.shards[h[0]]
+        node = shard.get(h)
         if node is None:
             if domain is not None:
                 domain = self._domains.setdefault(domain, domain)
-            p = nodes.get(parent) if parent is not None else None
-            node = nodes[h] = _Node(h, p.key if p is not None else parent, domain, now)
+            p = shards[parent[0]].get(parent) if parent is not None else None
+            node = shard[h] = _Node(h, p.key if p is not None else parent, domain, now)
+            nodes.size += 1
+            self.created += 1
             if p is not None:
                 _add_kid(p, None, node)
             elif parent is not None:
@@ -349,7 +411,7 @@ class PrefixIndex:
             if adopted is not None:
                 node.children = adopted
         else:
-            p = nodes.get(node.parent) if node.parent is not None else None
+            p = shards[node.parent[0]].get(node.parent) if node.parent is not None else None
         node.last = now
         bit = 1 << feed.slot
         if node.workers & bit:
@@ -419,13 +481,14 @@ class PrefixIndex:
         if feed.blocks == 0:
             return 0  # feed.blocks counts exactly the nodes carrying the feed's bit
         bit, n, empty = 1 << feed.slot, 0, []
-        for node in self._nodes.values():
-            if node.workers & bit:
-                node.workers &= ~bit
-                node.full &= ~bit
-                n += 1
-                if not node.workers:
-                    empty.append(node)
+        for shard in self._nodes.shards:
+            for node in shard.values():
+                if node.workers & bit:
+                    node.workers &= ~bit
+                    node.full &= ~bit
+                    n += 1
+                    if not node.workers:
+                        empty.append(node)
         for node in empty:
             self._delete(node)
         feed.blocks = 0

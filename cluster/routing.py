@@ -29,6 +29,7 @@ import time
 from dataclasses import replace
 from typing import Callable, Sequence
 
+from actors.heap import HeapFreezer
 from actors.index_actor import lookup_template_with_timeout, lookup_with_timeout
 from actors.prefix_index import prompt_chains
 from actors.router import RouterClient
@@ -64,6 +65,9 @@ LOAD_REFRESH_S = 1.0
 # then the least busy); 0: all. On 64 GPU-sized workers ranking all of them cost ~20 ms of the
 # controller and the router actor per request (bench/router_scale.py).
 MAX_CANDIDATES = 16
+# routed requests between two freezes of the controller's heap (``actors.heap.HeapFreezer``):
+# each costs a young collection, ~1-3 ms; between them the full collections scan only what came since
+FREEZE_EVERY = 1000
 
 
 def options_of(ranking) -> dict | None:
@@ -96,8 +100,11 @@ class CostAwareRouter:
     def __init__(self, model_id: str, block_size: int, index=None, client: RouterClient | None = None,
                  worker_lookup: Callable[[str], WorkerState | None] | None = None, timeout_s: float = 0.05,
                  replication: ReplicationConfig | None = None, placement: PlacementConfig | None = None,
-                 kv_memory: bool = True, max_candidates: int = MAX_CANDIDATES):
+                 kv_memory: bool = True, max_candidates: int = MAX_CANDIDATES, freeze_every: int = FREEZE_EVERY):
         self.model_id = model_id
+        # the placement state (a shadow cache per worker) leaves the full garbage collections
+        # (``actors.heap``): the heap is frozen every ``freeze_every`` routed requests (0: never)
+        self.heap = HeapFreezer(max(1, freeze_every), enabled=freeze_every > 0)
         self.kv_memory = kv_memory  # publish each worker's KV memory (``_publish_loads``)
         self.max_candidates = max_candidates  # workers weighed per request (``shortlist``; 0: all)
         self.block_size = block_size
@@ -151,6 +158,7 @@ class CostAwareRouter:
                      loan: HitLoan = NO_LOAN) -> RouteChoice:
         """``loan``: other tenants' workers (not lent now) that become candidates where the index
         finds all but a few tokens of the prompt (``HitLoan``)."""
+        self.heap.grew()
         found: dict[str, int] | None = {}  # None: the index did not answer in time
         chains: dict[str, list[bytes]] = {}
         slots: list[dict] | None = None

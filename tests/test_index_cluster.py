@@ -51,7 +51,8 @@ def poll(fn, want, wait_s=WAIT_S):
 
 
 def test_index_tracks_workers_across_nodes_and_restarts(cluster):
-    index = get_or_create_index(BS, liveness_s=0.2, stale_s=60.0)
+    # freezing its heap every 4 new nodes (``actors.heap``), in the actor's own Ray process
+    index = get_or_create_index(BS, liveness_s=0.2, stale_s=60.0, freeze_every=4)
     W = worker_actor_class(num_gpus=0, num_cpus=1)
     cfg = EngineConfig(model="tiny-llama", num_blocks=64, max_num_batched_tokens=256)
     wa = W.options(resources={"node_a": 1}).remote("wa", cfg)
@@ -82,6 +83,7 @@ def test_index_tracks_workers_across_nodes_and_restarts(cluster):
     assert asyncio.run(lookup_with_timeout(index, chains, timeout_s=10.0)) == {"wa": 64, "wb": 64}
     stats = ray.get(index.stats.remote())
     assert stats["workers"] == 2 and stats["blocks"] == 4 + 3 + 3
+    assert stats["heap"]["freezes"] >= 1 and stats["heap"]["frozen"] > 0  # and every answer above was right
 
     # a dead worker's entries are dropped (liveness check on its actor handle)
     ray.kill(wb)
@@ -94,6 +96,7 @@ def test_index_tracks_workers_across_nodes_and_restarts(cluster):
     assert poll(lambda: look(shared), {"wa": 64}) == {"wa": 64}
     assert look(only_a) == {"wa": 48} and look(only_b) == {}
     assert ray.get(index.stats.remote(), timeout=10)["workers"] == 1
+    assert ray.get(index.stats.remote(), timeout=10)["heap"]["freezes"] >= 1  # restarted with the same settings
     ray.kill(wa)
     ray.kill(index)
 

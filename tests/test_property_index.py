@@ -153,10 +153,12 @@ class Model:
 def check_consistent(idx: PrefixIndex, model: Model):
     nodes = idx._nodes
     assert set(nodes) == {h for _, h in model.held}
+    assert len(idx) == len(set(nodes))  # the shards' count follows every store and delete
     for h, node in nodes.items():
         owners = set(idx._owners(node.workers))
         assert owners == {w for w, x in model.held if x == h}
         assert node.parent == model.parent[h] and node.key == h
+        assert h in nodes.shards[h[0]] and nodes[h] is node and nodes.get(h) is node  # in its hash's shard
         full = set()
         for w in owners:
             a, seen = model.parent[h], {h}
