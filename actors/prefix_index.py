@@ -8,8 +8,10 @@ the workers holding it (a bitset over small interned worker slots), its share do
 last access.
 
 Invariants:
-  * a node exists iff at least one live worker holds it (``node.workers != 0``);
-  * bit ``s`` is set in some node only while worker slot ``s`` is registered;
+  * a node exists iff at least one live worker holds it (``node.workers != 0``), or a removed
+    worker's slot whose sweep has not reached it yet (``retire``);
+  * bit ``s`` is set in some node only while worker slot ``s`` is registered, or retired and
+    being swept out (it then reports no one and is not reused);
   * ``node.domain`` is the domain the block was stored under; a lookup chain hashed for domain
     ``d`` only matches nodes of domain ``d``, at every position of a worker's run (isolation
     does not rest on hashes alone: a lying feed may file a block of ``d``'s chain under another
@@ -24,13 +26,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 from engine.block_pool import BlockHash, extra_key, prompt_chains  # noqa: F401 - re-exported for callers
 
 WorkerId = str
 Domain = str
 STORED, REMOVED = 0, 1  # event kinds on the wire
+_RETIRED = object()  # a slot whose bits are being swept out (``PrefixIndex.retire``): reports no one, not reused
 
 
 class _Node:
@@ -308,8 +311,8 @@ class PrefixIndex:
         owners = self._owner_cache.get(bits)
         if owners is None:
             slots = self._slot_owner
-            owners = tuple(slots[b.bit_length() - 1] for b in self._bits(bits)
-                           if b.bit_length() - 1 < len(slots) and slots[b.bit_length() - 1] is not None)
+            owners = tuple(o for o in (slots[b.bit_length() - 1] for b in self._bits(bits)
+                                       if b.bit_length() - 1 < len(slots)) if o is not None and o is not _RETIRED)
             if len(self._owner_cache) < 4096:
                 self._owner_cache[bits] = owners
         return owners
@@ -343,32 +346,52 @@ class PrefixIndex:
 
     def remove_worker(self, worker_id: WorkerId) -> int:
         """Drop every entry of the worker and free its slot. Returns how many it held."""
-        feed = self._feeds.get(worker_id)
+        return sum(self.retire(worker_id))
+
+    def retire(self, worker_id: WorkerId) -> Iterator[int]:
+        """Remove the worker from every answer now and return the sweep of its entries: an
+        iterator that clears them one shard at a time, yielding each shard's count, and frees the
+        slot at its end. The caller may answer lookups and apply batches between steps (the
+        index actor does: a sweep of 4M blocks is ~0.6 s of work): meanwhile the slot reports no
+        one and is not given to another worker, and every other worker's runs are exact (each
+        worker's ``full`` bit still only shrinks along a chain). Run it to its end."""
+        feed = self._feeds.pop(worker_id, None)
         if feed is None:
-            return 0
-        n = self._clear_slot(feed)
-        del self._feeds[worker_id]
-        self._slot_owner[feed.slot] = None
+            return iter(())
+        self._slot_owner[feed.slot] = _RETIRED
         self._owner_cache.clear()
-        return n
+        return self._sweep(feed.slot, feed.blocks)
 
     def replace_worker(self, worker_id: WorkerId,
-                       snapshot: Iterable[tuple[BlockHash, BlockHash | None, Domain | None]]) -> None:
-        """Make the worker's holdings exactly ``snapshot`` (rebuild after restart or a gap)."""
+                       snapshot: Iterable[tuple[BlockHash, BlockHash | None, Domain | None]],
+                       sweeps: list | None = None) -> None:
+        """Make the worker's holdings exactly ``snapshot`` (rebuild after restart or a gap).
+        ``sweeps``: the old holdings' sweep (``retire``) is appended there for the caller to run,
+        the snapshot going into a new slot meanwhile; None: swept here first."""
+        old = self._feeds.get(worker_id)
+        if old is not None and old.blocks:
+            sweep = self.retire(worker_id)
+            if sweeps is None:
+                for _ in sweep:
+                    pass
+            else:
+                sweeps.append(sweep)
+            self.add_worker(worker_id, **old.meta)
+            self._feeds[worker_id].last_seen = old.last_seen
         self.add_worker(worker_id)
         feed = self._feeds[worker_id]
-        self._clear_slot(feed)
         now = self.clock()
         for h, parent, domain in snapshot:
             self._store(feed, h, parent, domain, now)
 
-    def apply_batch(self, batch: Batch) -> bool:
+    def apply_batch(self, batch: Batch, sweeps: list | None = None) -> bool:
         """Apply one published batch. False: it was out of sequence and ignored, so the worker
-        must resend a snapshot. A snapshot batch is always accepted and restarts the sequence."""
+        must resend a snapshot. A snapshot batch is always accepted and restarts the sequence.
+        ``sweeps``: see ``replace_worker``."""
         now = self.clock()
         feed = self._feeds.get(batch.worker_id)
         if batch.snapshot is not None:
-            self.replace_worker(batch.worker_id, batch.snapshot)
+            self.replace_worker(batch.worker_id, batch.snapshot, sweeps)
             feed = self._feeds[batch.worker_id]
             feed.meta["block_size"] = batch.block_size
         elif feed is None or batch.seq != feed.next_seq:
@@ -476,20 +499,22 @@ class PrefixIndex:
                 return next(iter(kids))
         return kids
 
-    def _clear_slot(self, feed: _Feed) -> int:
-        """O(nodes) sweep; runs only on worker removal or a snapshot replace."""
-        if feed.blocks == 0:
-            return 0  # feed.blocks counts exactly the nodes carrying the feed's bit
-        bit, n, empty = 1 << feed.slot, 0, []
-        for shard in self._nodes.shards:
-            for node in shard.values():
-                if node.workers & bit:
-                    node.workers &= ~bit
-                    node.full &= ~bit
-                    n += 1
-                    if not node.workers:
-                        empty.append(node)
-        for node in empty:
-            self._delete(node)
-        feed.blocks = 0
-        return n
+    def _sweep(self, slot: int, blocks: int) -> Iterator[int]:
+        """Clear ``slot``'s bit from every node, a shard per step (O(nodes): on worker removal or
+        a snapshot replacing a worker's holdings); nodes no one holds then go. Frees the slot."""
+        bit = 1 << slot
+        if blocks:  # a feed's ``blocks`` counts exactly the nodes carrying its bit
+            for shard in self._nodes.shards:
+                n, empty = 0, []
+                for node in shard.values():
+                    if node.workers & bit:
+                        node.workers &= ~bit
+                        node.full &= ~bit
+                        n += 1
+                        if not node.workers:
+                            empty.append(node)
+                for node in empty:
+                    self._delete(node)
+                yield n
+        self._slot_owner[slot] = None
+        self._owner_cache.clear()

@@ -13,9 +13,12 @@ every collection (``gc.callbacks``) and every call's time:
 * ``index``: the real ``IndexActor`` (no Ray: its methods awaited in one event loop) holding the
   pools of ``--workers`` GPU-sized workers (``bench/router_scale.py``'s gpu profile: 16,384-block
   pools, 32 groups of 2,048-token prefixes per worker, the rest of each pool private 128-token
-  questions and 128-token answers), fed as workers feed it: a msgpack snapshot per worker, then
-  per request a lookup of its prompt and its worker's batch (the question's and answer's blocks
-  stored, the pool's oldest private blocks removed).
+  questions and 128-token answers), fed as workers feed it (msgpack batches): first the pools
+  fill, 512 blocks from each worker in turn with a lookup after each (a cluster's first minutes,
+  or an index rebuilt after a restart), then per request a lookup of its prompt and its worker's batch (the question's and answer's blocks
+  stored, the pool's oldest private blocks removed). Then one worker leaves (``remove_worker``):
+  its time, and the longest the actor answered nothing meanwhile (the longest gap between turns
+  of a coroutine yielding to the actor's event loop all along).
 * ``controller``: ``bench/router_scale.py``'s cluster (``CostAwareRouter`` with the index and the
   router actor in process), ``--controller-workers`` GPU-sized workers, requests routed one after
   the other. The index's nodes share this process here (not in a cluster); the full collection
@@ -160,7 +163,28 @@ async def run_index(workers: int, requests: int, freeze: bool, seed: int, fill_b
         lat.append(time.perf_counter() - t)
         seq[w] += 1
         private[w].append(c)
-    return {"part": "index", "workers": workers, "freeze": freeze, "requests": requests, "blocks": len(actor.index),
+    blocks = len(actor.index)
+    # a worker leaves: the removal's time, and the longest the actor stopped answering meanwhile
+    # (the longest gap between turns of a coroutine yielding to its event loop all along)
+    gaps, done = [], []
+
+    async def probe():
+        t = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            gaps.append(now - t)
+            t = now
+    prober = asyncio.get_running_loop().create_task(probe())
+    await asyncio.sleep(0)
+    t = time.perf_counter()
+    n = await actor.remove_worker(ids[0])
+    removal = {"blocks": n, "seconds": round(time.perf_counter() - t, 4),
+               "longest_stall_ms": round(1e3 * max(gaps, default=time.perf_counter() - t), 2)}
+    done.append(True)
+    await prober
+    return {"part": "index", "workers": workers, "freeze": freeze, "requests": requests, "blocks": blocks,
+            "worker_removal": removal,
             "nodes_made": getattr(actor.index, "created", None), "tracked": len(gc.get_objects()), "fill": fill,
             "per_request": _latency(lat), "collections": pauses.stop(), **_end(getattr(actor, "heap", None))}
 
@@ -232,6 +256,11 @@ def main() -> None:
                       f"{fl['p50_ms']:.2f} p99.9 {fl['p999_ms']:.1f} max {fl['max_ms']:.0f} ms, {fl['over_100ms']} over "
                       f"100 ms; full collections {f2['count']} (longest {f2['max_ms']:.0f} ms, {f2['total_s']:.2f} s in all)",
                       flush=True)
+            if "worker_removal" in row:
+                rm = row["worker_removal"]
+                print(f"{part:>10} {n:>4} workers, {'frozen' if freeze else 'plain '}: a worker's removal "
+                      f"({rm['blocks']} blocks) {1e3 * rm['seconds']:.0f} ms, the index answering nothing for at most "
+                      f"{rm['longest_stall_ms']:.1f} ms of it", flush=True)
             print(f"{part:>10} {n:>4} workers, {'frozen' if freeze else 'plain '}: per request p50 {lat['p50_ms']:.3f} "
                   f"p99 {lat['p99_ms']:.3f} p99.9 {lat['p999_ms']:.3f} max {lat['max_ms']:.1f} ms; full collections "
                   f"{g2['count']} (longest {g2['max_ms']:.0f} ms, {g2['total_s']:.2f} s in all); a full collection at "

@@ -312,19 +312,47 @@ def _check_invariants(idx: PrefixIndex, held: set, parent_of: dict) -> None:
         assert kids == {c for c in nodes.values() if c.parent == ph}
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_ops_match_brute_force(seed):
-    """Stores (in any order), removes, worker removal and snapshot replaces, against a model."""
-    import random
-
-    rng = random.Random(seed)
+def _random_chains(rng):
+    """Twelve chains over three trunks (shared, partly shared, repeated tokens) in two domains,
+    and each block's parent and domain."""
     trunks = [list(range(8)), list(range(4)) + [50, 51, 52, 53], [9] * 8]
     chains = [(d, chain(t + [rng.randrange(3)] * 4, d)) for t in trunks for d in ("t1", "t2") for _ in range(2)]
     parent_of, domain_of = {}, {}
     for d, c in chains:
         for i, h in enumerate(c):
             parent_of[h], domain_of[h] = (c[i - 1] if i else None), d
-    idx, held, workers = PrefixIndex(BS), set(), ["w1", "w2", "w3"]
+    return chains, parent_of, domain_of
+
+
+def _model_lookup(held, workers, query):
+    """The model's answer: per worker, its run of leading positions held under any chain."""
+    want = {}
+    n = min(len(q) for q in query.values())
+    for w in workers:
+        k = 0
+        while k < n and any((w, q[k]) in held for q in query.values()):
+            k += 1
+        if k:
+            want[w] = k * BS
+    return want
+
+
+@pytest.mark.parametrize("stepwise", [False, True], ids=["whole", "stepwise"])
+@pytest.mark.parametrize("seed", range(6))
+def test_random_ops_match_brute_force(seed, stepwise):
+    """Stores (in any order), removes, worker removal and snapshot replaces, against a model.
+    ``stepwise``: removals and snapshots leave their sweeps (``retire``) to the caller, and those
+    advance a few shards at a time, in random order, between the other operations: every lookup
+    still matches the model at every point (a removed worker reports nothing, the others their
+    exact runs, a worker re-added under the same id only what it stored since), and the
+    invariants hold whenever no sweep is under way."""
+    import random
+
+    from actors.prefix_index import _RETIRED
+
+    rng = random.Random(seed + 100 * stepwise)
+    chains, parent_of, domain_of = _random_chains(rng)
+    idx, held, workers, sweeps = PrefixIndex(BS), set(), ["w1", "w2", "w3"], []
     for step in range(300):
         op, w = rng.random(), rng.choice(workers)
         h = rng.choice(list(parent_of))
@@ -335,24 +363,64 @@ def test_random_ops_match_brute_force(seed):
             idx.removed(w, h)
             held.discard((w, h))
         elif op < 0.95:
-            idx.remove_worker(w)
+            if stepwise:
+                sweeps.append(idx.retire(w))
+            else:
+                idx.remove_worker(w)
             held = {x for x in held if x[0] != w}
         else:
-            snap = rng.sample(list(parent_of), 6)
-            idx.replace_worker(w, [(x, parent_of[x], domain_of[x]) for x in snap])
-            held = {x for x in held if x[0] != w} | {(w, x) for x in snap}
-        if step % 10 == 0:
+            snap = tuple((x, parent_of[x], domain_of[x]) for x in rng.sample(list(parent_of), 6))
+            if stepwise:
+                idx.apply_batch(Batch(w, 0, BS, (), snap), sweeps)
+            else:
+                idx.replace_worker(w, snap)
+            held = {x for x in held if x[0] != w} | {(w, x[0]) for x in snap}
+        for sweep in rng.sample(sweeps, len(sweeps)):  # each a few shards on
+            for _ in range(rng.randrange(1, 60)):
+                if next(sweep, None) is None:
+                    sweeps.remove(sweep)
+                    break
+        if step % 10 == 0 and not sweeps:
             _check_invariants(idx, held, parent_of)
         for d, c in chains:
             other = "t2" if d == "t1" else "t1"
             twin = next(c2 for d2, c2 in chains if d2 == other)
             for query in ({d: c}, {d: c, other: twin}):
-                want = {}
-                for ww in workers:
-                    k = 0
-                    while k < len(c) and any((ww, q[k]) in held for q in query.values()):
-                        k += 1
-                    if k:
-                        want[ww] = k * BS
-                assert idx.lookup(query) == want, (step, query)
+                assert idx.lookup(query) == _model_lookup(held, workers, query), (step, query)
+    for sweep in sweeps:
+        for _ in sweep:
+            pass
     _check_invariants(idx, held, parent_of)
+    assert _RETIRED not in idx._slot_owner  # every slot freed, or a live worker's
+    assert {o for o in idx._slot_owner if o is not None} == set(idx._feeds)
+
+
+def test_the_index_actor_answers_lookups_while_a_removed_worker_is_swept():
+    from actors.index_actor import IndexActor
+    from actors.prefix_index import _RETIRED
+
+    async def run():
+        actor = IndexActor(BS, freeze_every=0)
+        a, b = list(range(400)), [7] * 400
+        for w, tokens in (("w0", a), ("w1", b)):
+            hs = chain(tokens)
+            snap = tuple((h, hs[i - 1] if i else None, "t1") for i, h in enumerate(hs))
+            assert (await actor.publish(encode_batch(w, 0, BS, [], snap)))["ok"]
+        removal = asyncio.get_running_loop().create_task(actor.remove_worker("w0"))
+        await asyncio.sleep(0)  # the sweep has begun
+        found = await actor.lookup({"t1": chain(a)})
+        mid = _RETIRED in actor.index._slot_owner
+        assert await removal == 100
+        assert mid and found == {}  # answered mid-sweep, without the removed worker
+        assert _RETIRED not in actor.index._slot_owner and len(actor.index) == 100
+        assert await actor.lookup({"t1": chain(b)}) == {"w1": 400}
+        # a snapshot replacing w1's holdings: its old ones are swept in the background
+        hs = chain(a)
+        snap = tuple((h, hs[i - 1] if i else None, "t1") for i, h in enumerate(hs[:10]))
+        assert (await actor.publish(encode_batch("w1", 0, BS, [], snap)))["ok"]
+        assert (await actor.stats())["sweeping"] == 1
+        assert await actor.lookup({"t1": chain(b)}) == {} and await actor.lookup({"t1": hs}) == {"w1": 40}
+        while (await actor.stats())["sweeping"]:
+            await asyncio.sleep(0)
+        assert len(actor.index) == 10
+    asyncio.run(run())
