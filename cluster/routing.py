@@ -145,8 +145,10 @@ class CostAwareRouter:
         return self.placer.placements
 
     def decision_log(self) -> list[dict]:
-        """The last placement decisions that gave a group a worker (``Placer.log``), oldest first."""
-        return list(self.placer.log)
+        """The last placement decisions that gave a group a worker (``Placer.log``) and the last
+        matches that kept a request on a holder much slower than another worker (``Placer.held``),
+        oldest first."""
+        return sorted([*self.placer.log, *self.placer.held], key=lambda e: e["t"])
 
     def groups(self) -> dict[str, int]:
         """Prefix groups routed to each worker lately (``Placer.groups_per_worker``)."""

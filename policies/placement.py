@@ -163,6 +163,8 @@ from policies.routing import Candidate, WorkerId
 PlacementKind = Literal["match", "spill", "balance", "relieve", "idle", "place"]
 PROXY_TOKEN_S = 1e-3  # without estimates: a token of queue or prefill ~ 1 ms (only compared, never reported)
 DECISION_LOG = 64  # the placement decisions other than "match" a ``Placer`` keeps (``Placer.log``)
+# and, apart, the last matches that kept a request on a holder slower than another candidate by
+# more than the prompt's prefill (``Placer.held``): why a busy holder was not relieved
 DECISION_CANDIDATES = 8  # per logged decision, the candidates kept: the fastest, and the one chosen
 
 
@@ -474,21 +476,34 @@ class ShadowCache:
                 self._forget(key)
 
     def eviction_cost(self, new_blocks: int, now: float, warm_s: float,
-                      held_elsewhere: Callable[[Hashable], bool] | None = None) -> tuple[int, int, float]:
+                      held_elsewhere: Callable[[Hashable], bool] | None = None,
+                      counted: bool = False) -> tuple[int, int, float]:
         """What taking ``new_blocks`` more blocks costs, smaller is better: ``(0, 0, -free blocks
         left)`` when they fit in free space, else ``(warm blocks evicted, 1, -age of the most
         recently used block evicted)`` (evicting colder blocks is cheaper). A warm block counts
         only if a later prompt could ask for it (private blocks never are) and, given
-        ``held_elsewhere``, only if no other worker holds it (a copy there is pulled, not recomputed)."""
+        ``held_elsewhere``, only if no other worker holds it (a copy there is pulled, not recomputed).
+        ``counted``: the same as a ``held_elsewhere`` that asks every other shadow of the shared
+        ``holders`` count (a ``Placer``'s), read from the count (this shadow's own entry is one of
+        it; a private block has none): a dict probe per victim, the common case of a placement."""
         need = len(self._lru) + new_blocks - self.capacity
         if need <= 0:
             return 0, 0, float(need)
         warm, newest, cutoff = 0, float("-inf"), now - warm_s
-        for key, (_, used) in itertools.islice(self._lru.items(), min(need, len(self._lru))):
-            if used > cutoff and not _private(key) and (held_elsewhere is None or not held_elsewhere(key)):
-                warm += 1
-            if used > newest:
-                newest = used
+        victims = itertools.islice(self._lru.items(), min(need, len(self._lru)))
+        if counted and self.holders is not None and held_elsewhere is None:
+            get = self.holders.get
+            for key, (_, used) in victims:
+                if used > cutoff and get(key, 0) == 1:
+                    warm += 1
+                if used > newest:
+                    newest = used
+        else:
+            for key, (_, used) in victims:
+                if used > cutoff and not _private(key) and (held_elsewhere is None or not held_elsewhere(key)):
+                    warm += 1
+                if used > newest:
+                    newest = used
         warm += max(0, need - len(self._lru))  # more than the whole cache
         return warm, 1, (newest - now) if newest > float("-inf") else 0.0
 
@@ -895,6 +910,10 @@ class Placer:
         # the last ``DECISION_LOG`` decisions that give a group a worker (every rule but "match"),
         # with what each candidate looked like: how a group split over the workers came about
         self.log: deque[dict] = deque(maxlen=DECISION_LOG)
+        # the last ``DECISION_LOG`` matches that kept a request on its holder though another
+        # candidate's TTFT was lower by more than the prompt's prefill (kind "match", with the
+        # inputs of the rules besides the candidates: p(reuse), the group's cluster share, contention)
+        self.held: deque[dict] = deque(maxlen=DECISION_LOG)
         c = self.config
         self.reuse = ReuseEstimate(c.warm_s, c.reuse_prior, c.reuse_window)  # fed by every shadow's evictions
         # per worker: group key -> its routed requests, decayed to ``_recent_at[worker]``
@@ -993,13 +1012,17 @@ class Placer:
         prefill = full_prefill_s(ranking, prompt) if ranking else PROXY_TOKEN_S * prompt
         steps = max(0, (max_tokens if decode_tokens is None else min(max_tokens, decode_tokens)) - 1)
         contention = self.config.contention_weight * 2.0 * max(0.0, row_s) * steps if ranking else 0.0
-        placed = choose(views, usable, prefill, self.config, self.reuse_p, self.cluster_share(groups, now),
-                        self.cluster_weight(now), contention)
+        share = self.cluster_share(groups, now)
+        placed = choose(views, usable, prefill, self.config, self.reuse_p, share, self.cluster_weight(now), contention)
         self.count_routed(placed.worker, key, now)
         kind = placed.kind if ranking else f"{placed.kind}-fallback"
         self.placements[kind] += 1
         if placed.kind != "match":
             self.log.append(decision_record(kind, placed.worker, key, prompt, usable, prefill, views, now))
+        elif placed.view.ttft_s > min(v.ttft_s for v in views) + prefill:
+            self.held.append(dict(decision_record(kind, placed.worker, key, prompt, usable, prefill, views, now),
+                                  reuse_p=round(self.reuse_p, 4), contention_s=round(contention, 4),
+                                  cluster_share=None if share is None else round(share, 4)))
         if reuse:
             self.commit(placed.worker, own, max(0, total - len(own)), now, own_domain)
         return placed
@@ -1051,9 +1074,9 @@ class Placer:
             have = local_blocks.get(w, 0)
             ttft = cand.expected_ttft_s if cand is not None else (fallback_ttft or {}).get(w, loads.get(w, 0.0))
             reused = max(have, cand.cached_tokens // block_size) if cand is not None and block_size else None
-            elsewhere = self._held_elsewhere(w) if self.config.discount_held_elsewhere else None
             shadow = self.shadow(w)
-            cost = shadow.eviction_cost(max(0, new_blocks - have), now, self.config.warm_s, elsewhere)
+            cost = shadow.eviction_cost(max(0, new_blocks - have), now, self.config.warm_s,
+                                        counted=self.config.discount_held_elsewhere)
             wait = self.observe_wait(w, cand.wait_s, now) if cand is not None else 0.0
             out.append(WorkerView(w, ttft, have, cost, loads.get(w, 0.0), order[w], cand, reused,
                                   self.group_share(w, groups or {key}, now), wait, shadow.shared,
@@ -1123,10 +1146,6 @@ class Placer:
             f = self._decay(w, now)
             out[w] = sum(1 for v in counts.values() if v * f >= min_weight)
         return out
-
-    def _held_elsewhere(self, worker: WorkerId) -> Callable[[Hashable], bool]:
-        own, holders = self.shadows.get(worker), self._holders
-        return lambda key: holders.get(key, 0) > (own is not None and key in own)
 
     def commit(self, worker: WorkerId, chain: Sequence[bytes], private_blocks: int, now: float,
                domain: str | None = None) -> None:

@@ -713,10 +713,14 @@ def test_the_count_of_workers_holding_a_block_follows_every_change_of_their_shad
     def check():
         scan = Counter(k for s in placer.shadows.values() for k in s._lru if not _private(k))
         assert placer._holders == scan
-        for w in placer.shadows:
-            elsewhere = placer._held_elsewhere(w)
-            for k in scan:
-                assert elsewhere(k) == any(k in s for v, s in placer.shadows.items() if v != w)
+        for w, own in placer.shadows.items():
+            # a victim is held elsewhere iff another shadow holds it: the count's answer is the scan's
+            def elsewhere(k, w=w):
+                return any(k in s for v, s in placer.shadows.items() if v != w)
+            for n in (1, 5, 12, 30):
+                for warm_s in (3.0, 1e9):
+                    assert (own.eviction_cost(n, float(step), warm_s, counted=True)
+                            == own.eviction_cost(n, float(step), warm_s, elsewhere))
         # the chain heads' holders, by which a prompt's holders are found without visiting every shadow
         heads = {c[0]: {w for w, s in placer.shadows.items() if c[0] in s} for c in chains}
         assert placer._heads == {k: ws for k, ws in heads.items() if ws}
@@ -1506,3 +1510,27 @@ def test_a_new_group_goes_to_a_worker_whose_copies_out_are_quick_among_near_ties
     even = [_with_copy_out(view(w, 2.6, rank=i), 0.2 + 0.05 * i) for i, w in enumerate(("w0", "w1", "w2"))]
     assert choose(even, 17, 2.3).worker == "w0"  # links alike (within 2x): the usual order
     assert choose([view("a", 1.0, rank=1), view("b", 1.0, rank=0)], 17, 2.3).worker == "b"  # no estimates
+
+
+def test_a_match_that_keeps_a_request_on_a_much_slower_holder_is_logged_with_the_rules_inputs():
+    """``Placer.held``: a match whose holder's TTFT exceeds the fastest candidate's by more than
+    the prompt's prefill (a busy holder not relieved) is kept with every candidate and the rules'
+    other inputs; a match on a holder about as fast as the rest is not."""
+    workers = ["w0", "w1"]
+    cm, placer = _cost_model(workers), Placer(PlacementConfig(spill_abs_s=1e9))  # spills never pay
+    for w in workers:
+        placer.shadow(w, 64)
+    items = shared_prefix(groups=1, users=4, seed=3)
+    first = _route(placer, cm, items[0], workers, {}, {}, now=0.0)
+    holdings = {first.worker: len(items[0].prompt_ids) // BS * BS}
+    assert _route(placer, cm, items[1], workers, holdings, {}, now=1.0).kind == "match"
+    assert not placer.held  # the holder was the fastest
+    cm.observe_load(first.worker, WorkerLoad(waiting_tokens=(40_000,)))  # its queue: ~40 prefills
+    held = _route(placer, cm, items[2], workers, holdings, {}, now=2.0)
+    assert (held.kind, held.worker) == ("match", first.worker)
+    (entry,) = placer.held
+    other = next(w for w in workers if w != first.worker)
+    assert entry["kind"] == "match" and entry["worker"] == first.worker and set(entry["candidates"]) == set(workers)
+    assert entry["candidates"][first.worker]["ttft_s"] > entry["candidates"][other]["ttft_s"] + entry["prefill_s"]
+    assert entry["reuse_p"] == round(placer.reuse_p, 4) and entry["contention_s"] == 0.0 and entry["cluster_share"] == 1.0
+    assert all(e["kind"] != "match" for e in placer.log)  # the placement log keeps its own
