@@ -164,7 +164,7 @@ PlacementKind = Literal["match", "spill", "balance", "relieve", "idle", "place"]
 PROXY_TOKEN_S = 1e-3  # without estimates: a token of queue or prefill ~ 1 ms (only compared, never reported)
 DECISION_LOG = 64  # the placement decisions other than "match" a ``Placer`` keeps (``Placer.log``)
 # and, apart, the last matches that kept a request on a holder slower than another candidate by
-# more than the prompt's prefill (``Placer.held``): why a busy holder was not relieved
+# more than the spill margin (``Placer.held``): why a busy holder was not relieved
 DECISION_CANDIDATES = 8  # per logged decision, the candidates kept: the fastest, and the one chosen
 
 
@@ -911,7 +911,8 @@ class Placer:
         # with what each candidate looked like: how a group split over the workers came about
         self.log: deque[dict] = deque(maxlen=DECISION_LOG)
         # the last ``DECISION_LOG`` matches that kept a request on its holder though another
-        # candidate's TTFT was lower by more than the prompt's prefill (kind "match", with the
+        # candidate's TTFT was lower by the spill margin (``spill_ratio``, ``spill_abs_s``: the rules
+        # weighed more than TTFT, e.g. the evictions a copy makes; kind "match", with the
         # inputs of the rules besides the candidates: p(reuse), the group's cluster share, contention)
         self.held: deque[dict] = deque(maxlen=DECISION_LOG)
         c = self.config
@@ -1019,7 +1020,7 @@ class Placer:
         self.placements[kind] += 1
         if placed.kind != "match":
             self.log.append(decision_record(kind, placed.worker, key, prompt, usable, prefill, views, now))
-        elif placed.view.ttft_s > min(v.ttft_s for v in views) + prefill:
+        elif placed.view.ttft_s > min(v.ttft_s for v in views) * (1 + self.config.spill_ratio) + self.config.spill_abs_s:
             self.held.append(dict(decision_record(kind, placed.worker, key, prompt, usable, prefill, views, now),
                                   reuse_p=round(self.reuse_p, 4), contention_s=round(contention, 4),
                                   cluster_share=None if share is None else round(share, 4)))
