@@ -483,9 +483,10 @@ class ShadowCache:
         recently used block evicted)`` (evicting colder blocks is cheaper). A warm block counts
         only if a later prompt could ask for it (private blocks never are) and, given
         ``held_elsewhere``, only if no other worker holds it (a copy there is pulled, not recomputed).
-        ``counted``: the same as a ``held_elsewhere`` that asks every other shadow of the shared
-        ``holders`` count (a ``Placer``'s), read from the count (this shadow's own entry is one of
-        it; a private block has none): a dict probe per victim, the common case of a placement."""
+        ``counted``: held elsewhere is read from the shared ``holders`` count (a ``Placer``'s; it
+        counts this shadow's own copy too, and no private block): more than 1. The answer of a
+        ``held_elsewhere`` asking every other shadow, at one dict probe per victim; ignored for a
+        shadow without the count or with ``held_elsewhere`` given."""
         need = len(self._lru) + new_blocks - self.capacity
         if need <= 0:
             return 0, 0, float(need)
@@ -1020,7 +1021,8 @@ class Placer:
         self.placements[kind] += 1
         if placed.kind != "match":
             self.log.append(decision_record(kind, placed.worker, key, prompt, usable, prefill, views, now))
-        elif placed.view.ttft_s > min(v.ttft_s for v in views) * (1 + self.config.spill_ratio) + self.config.spill_abs_s:
+        elif ranking and placed.view.ttft_s > min(v.ttft_s for v in views) * (1 + self.config.spill_ratio) \
+                + self.config.spill_abs_s:  # (without estimates the "TTFTs" are queued tokens)
             self.held.append(dict(decision_record(kind, placed.worker, key, prompt, usable, prefill, views, now),
                                   reuse_p=round(self.reuse_p, 4), contention_s=round(contention, 4),
                                   cluster_share=None if share is None else round(share, 4)))
