@@ -352,7 +352,7 @@ class PrefixIndex:
         """Remove the worker from every answer now and return the sweep of its entries: an
         iterator that clears them one shard at a time, yielding each shard's count, and frees the
         slot at its end. The caller may answer lookups and apply batches between steps (the
-        index actor does: a sweep of 4M blocks is ~0.6 s of work): meanwhile the slot reports no
+        index actor does: a sweep of 4M blocks is 1.3-1.8 s of work): meanwhile the slot reports no
         one and is not given to another worker, and every other worker's runs are exact (each
         worker's ``full`` bit still only shrinks along a chain). Run it to its end."""
         feed = self._feeds.pop(worker_id, None)
