@@ -286,3 +286,108 @@ def test_calibrate_times_prefills_and_leaves_no_trace(tiny_model):
     assert output_ids(eng.generate([Request("r", prompt(0, 40), GREEDY)])["r"]) == ref
     assert eng.calibrate(()) == []
     assert [n for n, _ in eng.calibrate((10_000,))] == [eng.max_model_len - 2]  # clipped to the context
+
+
+def _padded_decode_reference(q, kc, vc, tables, lens, block_size):
+    """Each row alone: its own keys gathered, plain SDPA (the path the shared form replaces)."""
+    import torch.nn.functional as F
+
+    from engine.kv_cache import token_slots
+
+    out = []
+    for i, (table, n) in enumerate(zip(tables, lens)):
+        slots = torch.tensor(token_slots(table, block_size, 0, n))
+        k, v = kc[slots].transpose(0, 1)[None], vc[slots].transpose(0, 1)[None]
+        out.append(F.scaled_dot_product_attention(q[i][None, :, None, :], k, v, scale=0.125, enable_gqa=True)[0, :, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_decode_attention_equals_each_row_alone(dtype):
+    """Decode rows sharing a prefix's blocks attend over the union of their keys, gathered once:
+    every row sees exactly its own keys (shared blocks, its private tail, only the filled part of a
+    partial last block, also one that a forked row shares at another length)."""
+    from engine.model_runner import attend_decode_shared, shared_decode_keys
+
+    bs, kvh, heads, d = 4, 2, 6, 64
+    g = torch.Generator().manual_seed(3)
+    kc = torch.randn(40 * bs, kvh, d, generator=g).to(dtype)
+    vc = torch.randn(40 * bs, kvh, d, generator=g).to(dtype)
+    prefix = list(range(10, 20))  # 10 shared blocks = 40 keys
+    tables = [prefix + [30], prefix + [31, 32], prefix + [33], prefix + [33]]  # rows 3 and 4 share a partial block
+    lens = [41, 47, 42, 43]
+    shared = shared_decode_keys(tables, lens, bs)
+    assert shared is not None
+    slots, hidden = shared
+    assert slots.shape[0] == 14 * bs and hidden.shape == (4, 14 * bs)
+    assert (~hidden).sum(1).tolist() == lens
+    q = torch.randn(4, heads, d, generator=g).to(dtype)
+    got = attend_decode_shared(q, kc, vc, slots, hidden, 0.125)
+    assert got.dtype == dtype
+    ref = _padded_decode_reference(q.float(), kc.float(), vc.float(), tables, lens, bs)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+def test_decode_rows_sharing_little_keep_the_padded_form():
+    from engine.model_runner import build_batch, shared_decode_keys
+
+    private = [list(range(i * 10, i * 10 + 10)) for i in range(4)]
+    assert shared_decode_keys(private, [40] * 4, 4) is None
+    assert shared_decode_keys([list(range(10))], [40], 4) is None  # one row: nothing to share
+    # one shared block of ten: the union is 37 of 40 blocks
+    assert shared_decode_keys([[0] + t[1:] for t in private], [40] * 4, 4) is None
+    batch = build_batch([([1], 39, 1, t) for t in private], 4)
+    assert batch.decode_shared == () and batch.decode_rest is None and batch.decode_slots.shape == (4, 40)
+
+
+def test_mixed_decode_batch_groups_rows_by_prefix_and_keeps_logits(tiny_model, monkeypatch):
+    """Rows of two prefixes form two shared groups; a lone row and a pair sharing only one block
+    take the padded form; every row's logits equal the all-padded forward's."""
+    import engine.model_runner as mr
+    from engine.kv_cache import PagedKVCache
+
+    cfg = tiny_model.model.config
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    cache = PagedKVCache(cfg.num_hidden_layers, 80, 4, cfg.num_key_value_heads, hd)
+    g = torch.Generator().manual_seed(1)
+    for layer in range(cfg.num_hidden_layers):
+        cache.k[layer].copy_(torch.randn(cache.k[layer].shape, generator=g))
+        cache.v[layer].copy_(torch.randn(cache.v[layer].shape, generator=g))
+    runner = mr.ModelRunner(tiny_model.model, cache, "sdpa")
+    a, b = list(range(0, 12)), list(range(20, 32))
+    tables = [a + [40], b + [41], a + [42], [60] + list(range(61, 70)), b + [43], a + [44],
+              [70, 71, 72], [70, 73, 74]]
+    lens = [49, 50, 51, 38, 49, 52, 11, 12]
+    chunks = [([5 + i], n - 1, 1, t) for i, (t, n) in enumerate(zip(tables, lens))]
+    batch = mr.build_batch(chunks, 4)
+    groups = sorted(idx.tolist() for idx, _, _ in batch.decode_shared)
+    assert groups == [[0, 2, 5], [1, 4]] and batch.decode_rest.tolist() == [3, 6, 7]
+    got = runner.forward(batch)
+    monkeypatch.setattr(mr, "SHARED_DECODE_MARGIN", 0)
+    padded = mr.build_batch(chunks, 4)
+    assert padded.decode_shared == () and padded.decode_rest is None
+    torch.testing.assert_close(got, runner.forward(padded), atol=1e-4, rtol=1e-4)
+
+
+def test_concurrent_decodes_over_a_cached_prefix_equal_one_at_a_time(tiny_model, monkeypatch):
+    """Requests that hit two cached prefixes (and one that hits none) decode in one batch, each
+    prefix's rows through the shared form; their greedy outputs equal each request served alone."""
+    import engine.model_runner as mr
+
+    calls = []
+    real = mr.attend_decode_shared
+    monkeypatch.setattr(mr, "attend_decode_shared", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    heads = [prompt(7, 160), prompt(8, 150)]
+    reqs = lambda: [Request(f"r{i}", heads[i % 2] + prompt(100 + i, 5 + i), GREEDY) for i in range(8)] + [  # noqa: E731
+        Request("lone", prompt(9, 90), GREEDY)]
+    alone = {}
+    for r in reqs():
+        alone[r.request_id] = output_ids(tiny_engine(tiny_model).generate([r])[r.request_id])
+    assert not calls
+    eng = tiny_engine(tiny_model)
+    eng.generate([Request(f"warm{i}", h, SamplingParams(max_tokens=1, temperature=0)) for i, h in enumerate(heads)])
+    got = {k: output_ids(v) for k, v in eng.generate(reqs()).items()}
+    assert got == alone
+    assert calls and max(calls) == 4  # each prefix's four rows in one group
+    assert_pool_clean(eng)
