@@ -14,7 +14,10 @@ baselines' engine replicas run the same engine):
     prefill, and ``decode_step_s``: the mean forward time of pure decode steps;
   * ``decode_1row_s``: the median forward time of one-row decode steps, the same work in every
     configuration: the hosts' speed during the window (on this machine it drifts by up to 2x over
-    a day, so configurations run one after another can meet different machines);
+    a day, so configurations run one after another can meet different machines), and
+    ``decode_1row_cpu_s`` the engine thread's CPU in them; ``step_cpu_over_wall``: the engine
+    thread's CPU over the forward time of all steps (a 0.4-core host whose engine has its quota
+    to itself reads ~0.4; less is time lost to the host's other processes or to the GIL);
   * ``per_engine``: requests added per engine;
   * ``busy_share``: per engine, its forward time over the window (how much of the stage it
     computed; engines left idle while requests queue elsewhere show here), and
@@ -96,6 +99,8 @@ def summarize(engines: dict[str, list[dict]], t0: float = float("-inf"), t1: flo
     forward: dict[str, float] = {}
     dec_rows = 0
     one_row: list[float] = []
+    one_row_cpu: list[float] = []
+    wall_cpu = {"wall": 0.0, "cpu": 0.0}
     spans = {e: _busy_spans(recs) for e, recs in engines.items()}
     for e, recs in engines.items():
         adds = {}
@@ -114,6 +119,9 @@ def summarize(engines: dict[str, list[dict]], t0: float = float("-inf"), t1: flo
                 ttft.append(t - adds.pop(r["n"]))
             elif ev == "step" and t0 <= t < t1:
                 forward[e] = forward.get(e, 0.0) + r["dt"]
+                if "cpu" in r:
+                    wall_cpu["wall"] += r["dt"]
+                    wall_cpu["cpu"] += r["cpu"]
                 tok, rows = sum(r["tok"].values()), sum(r["rows"].values())
                 if tok > rows:
                     pre_tok += tok - rows
@@ -124,6 +132,8 @@ def summarize(engines: dict[str, list[dict]], t0: float = float("-inf"), t1: flo
                     dec_rows += rows
                     if rows == 1:
                         one_row.append(r["dt"])
+                        if "cpu" in r:
+                            one_row_cpu.append(r["cpu"])
     return {"requests": adds_total,
             "engine_ttft_s": {"p50": _pct(ttft, 0.5), "p90": _pct(ttft, 0.9)},
             "busy_at_add": busy / adds_total if adds_total else None,
@@ -132,6 +142,8 @@ def summarize(engines: dict[str, list[dict]], t0: float = float("-inf"), t1: flo
             "decode_step_s": dec_s / dec_n if dec_n else None,
             "decode_rows_mean": dec_rows / dec_n if dec_n else None,
             "decode_1row_s": _pct(one_row, 0.5), "decode_1row_steps": len(one_row),
+            "decode_1row_cpu_s": _pct(one_row_cpu, 0.5),
+            "step_cpu_over_wall": wall_cpu["cpu"] / wall_cpu["wall"] if wall_cpu["wall"] else None,
             "forward_s_per_request": sum(forward.values()) / adds_total if adds_total else None,
             "busy_share": ({e: forward.get(e, 0.0) / (t1 - t0) for e in engines}
                            if t1 - t0 < float("inf") and t1 > t0 else None),

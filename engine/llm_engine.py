@@ -310,7 +310,7 @@ class LLMEngine:
                 if cnt > 0:
                     plp.append((seq, start, cnt, row))
             row += n
-        t0, wall0 = time.perf_counter(), time.time()
+        t0, wall0, cpu0 = time.perf_counter(), time.time(), time.thread_time()
         wants = [want for _, _, want, _ in chunks]
         interrupt = self._interrupt_check(scheduled)
         try:
@@ -320,11 +320,11 @@ class LLMEngine:
             # blocks stay theirs); the guarded arrival is added before the next schedule
             self.num_interrupted_steps += 1
             self._interrupted_last = True
-            self._trace_step(scheduled, wall0, time.perf_counter() - t0, True)
+            self._trace_step(scheduled, wall0, time.perf_counter() - t0, True, time.thread_time() - cpu0)
             return early
         self._interrupted_last = False
         dt = time.perf_counter() - t0
-        self._trace_step(scheduled, wall0, dt, False)
+        self._trace_step(scheduled, wall0, dt, False, time.thread_time() - cpu0)
         total = sum(n for _, n in scheduled)
         self.num_steps += 1
         self.num_forward_tokens += total
@@ -393,7 +393,8 @@ class LLMEngine:
                 chunks, wants)
         return rows
 
-    def _trace_step(self, scheduled: list[tuple[Sequence, int]], wall0: float, dt: float, interrupted: bool) -> None:
+    def _trace_step(self, scheduled: list[tuple[Sequence, int]], wall0: float, dt: float, interrupted: bool,
+                    cpu: float) -> None:
         if not self.trace.on:
             return
         tok: dict[str, int] = {}
@@ -404,7 +405,7 @@ class LLMEngine:
         waiting: dict[str, int] = {}
         for seq in self.scheduler.waiting:
             waiting[seq.request.tenant] = waiting.get(seq.request.tenant, 0) + 1
-        rec = {"ev": "step", "t": round(wall0, 4), "dt": round(dt, 4), "tok": tok, "rows": rows,
+        rec = {"ev": "step", "t": round(wall0, 4), "dt": round(dt, 4), "cpu": round(cpu, 4), "tok": tok, "rows": rows,
                "interrupted": interrupted, "waiting": waiting}
         if waiting:  # why the waiting ones were not admitted (Scheduler.held_back), and the pool's room
             rec["held"] = self.scheduler.held_back()

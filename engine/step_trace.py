@@ -7,7 +7,9 @@ engine's requests, ``prompt`` is its length, ``running``/``waiting`` what the sc
 before it), one per request's first token (``{"ev": "first", "t", "n", "cached", "prefill_s"}``:
 engine-side TTFT = its ``t`` minus the add's) and one per step (``{"ev": "step", "t", "dt", "tok":
 {tenant: tokens}, "rows": {tenant: rows}, "interrupted", "waiting": {tenant: count}}``; ``t`` is
-wall-clock seconds at the start, ``dt`` the forward's seconds). Tenant names and counts only, never
+wall-clock seconds at the start, ``dt`` the forward's seconds, ``cpu`` the engine thread's CPU
+seconds in it: ``dt`` minus what ``cpu`` explains is time the thread waited, for a CPU quota other
+processes share or for the GIL). Tenant names and counts only, never
 tokens, prompts or request ids. The file is line-buffered and bounded by ``max_lines`` (later lines
 are dropped).
 """

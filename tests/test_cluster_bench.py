@@ -508,8 +508,8 @@ def test_step_traces_tell_where_a_request_waited(tmp_path):
          {"ev": "step", "t": 10.0, "dt": 2.0, "tok": {"b": 512}, "rows": {"b": 1}},
          {"ev": "first", "t": 12.0, "n": 0},
          {"ev": "add", "t": 12.5, "n": 1, "running": 1, "waiting": 0},  # arrives while n=0 decodes
-         {"ev": "step", "t": 12.1, "dt": 0.5, "tok": {"b": 1}, "rows": {"b": 1}},
-         {"ev": "step", "t": 12.6, "dt": 2.4, "tok": {"b": 513}, "rows": {"b": 2}},
+         {"ev": "step", "t": 12.1, "dt": 0.5, "cpu": 0.15, "tok": {"b": 1}, "rows": {"b": 1}},
+         {"ev": "step", "t": 12.6, "dt": 2.4, "cpu": 0.9, "tok": {"b": 513}, "rows": {"b": 2}},
          {"ev": "first", "t": 15.0, "n": 1},
          {"ev": "add", "t": 30.0, "n": 2, "running": 0, "waiting": 0}]  # outside the window
     b = [{"ev": "add", "t": 20.0, "n": 0, "running": 0, "waiting": 0},
@@ -525,6 +525,8 @@ def test_step_traces_tell_where_a_request_waited(tmp_path):
     assert s["decode_step_s"] == pytest.approx(0.5)
     assert s["decode_rows_mean"] == 1.0 and s["forward_s_per_request"] == pytest.approx(5.9 / 3)
     assert s["decode_1row_s"] == 0.5 and s["decode_1row_steps"] == 1  # the hosts' speed: one-row decode
+    # the engine thread's CPU, where traced (older traces have none): one-row steps, all steps
+    assert s["decode_1row_cpu_s"] == 0.15 and s["step_cpu_over_wall"] == pytest.approx(1.05 / 2.9)
     assert s["busy_share"] == {"w1-steps-1": pytest.approx(4.9 / 25), "w2-steps-2": pytest.approx(1.0 / 25)}
     assert steps.summarize(steps.read(sorted(tmp_path.glob("*.jsonl"))))["busy_share"] is None
 

@@ -25,7 +25,7 @@ def test_trace_off_by_default_and_on_with_a_directory(tiny_model, tmp_path, monk
     assert first["n"] == 0 and first["cached"] == 0 and first["t"] >= add["t"] and first["prefill_s"] >= 0
     steps = [r for r in lines if r["ev"] == "step"]
     assert [r["tok"] for r in steps] == [{"acme": 4}, {"acme": 1}]
-    assert all(r["interrupted"] is False and r["dt"] >= 0 for r in steps)
+    assert all(r["interrupted"] is False and r["dt"] >= 0 and 0 <= r["cpu"] for r in steps)
     # a second request added while the first is still decoding sees it running; one aborted
     # before its first token leaves no number behind
     eng.add_request(Request("r2", (5, 6, 7, 8, 9), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
@@ -40,7 +40,7 @@ def test_trace_off_by_default_and_on_with_a_directory(tiny_model, tmp_path, monk
     adds = [r for r in lines if r["ev"] == "add"]
     assert [(r["n"], r["running"]) for r in adds] == [(0, 0), (1, 0), (2, 1)]
     # no token ids or request ids: only these fields, with tenant names and counts
-    assert {k for r in lines for k in r} <= {"ev", "t", "tenant", "dt", "tok", "rows", "interrupted", "waiting",
+    assert {k for r in lines for k in r} <= {"ev", "t", "tenant", "dt", "cpu", "tok", "rows", "interrupted", "waiting",
                                               "n", "prompt", "running", "cached", "prefill_s"}
 
 
