@@ -631,6 +631,8 @@ VARIANTS: dict[str, tuple[dict, float, str]] = {
     "relief copy 1.5": ({"relief_copy_weight": 1.5}, 0.0, "new"),
     "relief copy 2": ({"relief_copy_weight": 2.0}, 0.0, "new"),
     "relief copy 3": ({"relief_copy_weight": 3.0}, 0.0, "new"),
+    "relief room 1": ({"relief_room": 1.0}, 0.0, "new"),  # before session 39: room for the copy alone
+    "relief room 3": ({"relief_room": 3.0}, 0.0, "new"),
 }
 
 
@@ -763,6 +765,10 @@ def main(argv=None) -> None:
     ap.add_argument("--row-s", type=float, default=OpenConfig.row_s,
                     help="seconds per decode row in a step (the cluster bench's hosts in session 31: a one-row "
                          "step ~0.2 s, ~0.03 s more per row)")
+    ap.add_argument("--fast-Bps", type=float, default=OpenConfig.fast_Bps,
+                    help="bytes/s of a fast worker's link (the cluster bench's hosts measured 9-28 MB/s between "
+                         "their object stores on 1 Gbit/s links, sessions 35-37)")
+    ap.add_argument("--slow-Bps", type=float, default=OpenConfig.slow_Bps, help="bytes/s of a slow worker's link")
     ap.add_argument("--capacity-blocks", type=int, default=OpenConfig.capacity_blocks,
                     help="each worker's pool in blocks (128: the bench's pool ratio 3; 96: ratio 4)")
     ap.add_argument("--workers", type=int, default=OpenConfig.workers,
@@ -772,7 +778,7 @@ def main(argv=None) -> None:
                     help="merge the aggregated rows into this file (by workload and variant)")
     a = ap.parse_args(argv)
     cfg = OpenConfig(speed_jitter=a.speed_jitter, capacity_blocks=a.capacity_blocks, token_s=a.token_s,
-                     step_s=a.step_s, row_s=a.row_s, workers=a.workers)
+                     step_s=a.step_s, row_s=a.row_s, workers=a.workers, fast_Bps=a.fast_Bps, slow_Bps=a.slow_Bps)
     path = Path(a.json)
     doc = json.loads(path.read_text()) if path.exists() else {}
     doc.setdefault("bench", "bench/placement_openloop.py")

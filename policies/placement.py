@@ -101,7 +101,9 @@ prefixes it will need next (measured: 23 of 24 shared-prefix requests on one of 
     theirs (2 x ``row_s``, learned from ended requests' seconds per output token against the mean
     sequences beside them, x the request's expected output tokens, per request in flight) plus the
     copy's room (each block it adds charged ``relief_copy_weight`` x a warm eviction) beats the
-    holder's. The room charge keeps long prefixes home: copies of the steady sweep's 34-block groups
+    holder's. The target keeps room for one more prefix of the copy's size (``relief_room``): a
+    second holder must not take the room of a group still to come. The room charge and the room
+    left keep long prefixes home: copies of the steady sweep's 34-block groups
     made in its warm-up filled the pools (replayed: hits 0.93 against 0.98) while a trace's or a
     chat's few blocks move (``bench/placement_openloop.py --workload trace``: 2.19 against 2.01
     req/s at 2.4 offered, latency p90 6.2 against 12.8 s; power of two choices 2.16 and 7.4).
@@ -297,6 +299,13 @@ class PlacementConfig:
     # few blocks) costs little room and moves; a long one only off a much busier holder
     relief_copy_weight: float = 2.0
     relief_fill: bool = True  # ... and the target's prefixes stay within ``prefix_fill`` after it
+    # ... with room left for ``relief_room`` - 1 more prefixes of the copy's size: a relief copy is
+    # a second holder, and a second holder that takes a pool's last room leaves a group still to come
+    # none. With a one-row decode step 0.19 s and 0.078 s per more row (the cluster's hosts, session
+    # 38; the contention term is then ~2.5 s per request in flight), reliefs of the steady sweep's
+    # 34-block groups during its warm-up left a fourth group on one worker in 5 of 12 replayed seeds,
+    # its evictions cascading (TTFT p99 28-37 s at 2 req/s in two). 1: room for the copy alone
+    relief_room: float = 2.0
 
 
 TTFT_ONLY = PlacementConfig(spill_ratio=0.0, spill_abs_s=0.0, evict_weight=0.0, compute_weight=0.0)
@@ -602,7 +611,7 @@ class WorkerView:
     capacity: int = 0  # its pool in blocks (its shadow cache's); 0: unknown
     queued: int = 0  # prompts routed there without a first token yet (queued or prefilling); 0: unknown
 
-    def fits(self, new_blocks: int, fill: float) -> bool:
+    def fits(self, new_blocks: float, fill: float) -> bool:
         """Whether ``new_blocks`` more prefix blocks keep its prefixes within ``fill`` of its pool
         (``PlacementConfig.prefix_fill``); True when the pool's size is unknown or ``fill`` >= 1."""
         return fill >= 1.0 or self.capacity <= 0 or self.prefix_blocks + max(0, new_blocks) <= fill * self.capacity
@@ -717,7 +726,7 @@ def _relief_target(views: Sequence[WorkerView], best_h: WorkerView, eff: Mapping
                    c: PlacementConfig) -> WorkerView | None:
     """The worker a match goes to instead of its busy holder ``best_h`` because decoding there
     contends with fewer sequences (``PlacementConfig.contention_weight``): it evicts no warm block,
-    has room for the copy, has fewer requests in flight, and its effective TTFT (``eff``: the spill
+    has room for the copy and ``relief_room`` - 1 more like it, has fewer requests in flight, and its effective TTFT (``eff``: the spill
     rule's, with its eviction, repeated-prefill and pull terms) plus ``contention_s`` per request in
     flight, and ``block_charge`` x ``relief_copy_weight`` per block the copy adds there, beats the
     holder's by ``spill_abs_s`` or ``tie_ratio``. The best such worker, or None."""
@@ -730,7 +739,7 @@ def _relief_target(views: Sequence[WorkerView], best_h: WorkerView, eff: Mapping
 
     busy = _in_flight(best_h)
     targets = [v for v in views if v.worker != best_h.worker and v.eviction[0] == 0 and _in_flight(v) < busy
-               and (not c.relief_fill or v.fits(usable_blocks - v.local_blocks, c.prefix_fill))]
+               and (not c.relief_fill or v.fits(c.relief_room * (usable_blocks - v.local_blocks), c.prefix_fill))]
     if not targets:
         return None
     v = min(targets, key=lambda v: (total(v), v.rank, v.worker))

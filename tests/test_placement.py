@@ -545,6 +545,26 @@ def test_a_busy_holder_of_a_short_prefix_is_relieved_by_a_worker_with_room():
                   contention_s=contention).kind == "relieve"
 
 
+def test_a_relief_copy_leaves_its_target_room_for_one_more_prefix_of_its_size():
+    """``PlacementConfig.relief_room``: a relief copy is a second holder; it goes only to a worker
+    whose prefixes stay within ``prefix_fill`` with room for another prefix as long, so that a
+    group still to come is not left without room. The same worker with room for the copy alone
+    takes it when the rule is off (``relief_room`` 1, the rule before session 39)."""
+    holder = WorkerView("w0", 0.6, 5, (0, 0, -50.0), running=3, queued=1, load=40.0)
+    target = WorkerView("w1", 0.7, 0, (0, 0, -80.0), capacity=128, prefix_blocks=10,
+                        candidate=Candidate("w1", "pulled", 0.7, 0.0, 0.6, 0.1, 0, 80))
+    contention = 2 * 0.03 * 15
+    # 0.9 x 128 = 115.2 blocks of prefixes: 105 + 6 fits, 105 + 2 x 6 does not
+    nearly_full = replace(target, prefix_blocks=105)
+    assert choose([holder, target], 6, 0.6, contention_s=contention).kind == "relieve"
+    assert choose([holder, nearly_full], 6, 0.6, contention_s=contention).kind == "match"
+    p = choose([holder, nearly_full], 6, 0.6, PlacementConfig(relief_room=1.0), contention_s=contention)
+    assert (p.worker, p.kind) == ("w1", "relieve")
+    # blocks the target already holds need no room: 106 + 2 x 3 fits (106 + 2 x 6 would not)
+    partly = replace(nearly_full, prefix_blocks=106, local_blocks=3)
+    assert choose([holder, partly], 6, 0.6, contention_s=contention).kind == "relieve"
+
+
 def test_decode_contention_scales_with_the_output_a_request_is_expected_to_produce():
     """``Placer.decide``: the contention term is 2 x ``row_s`` x (expected output - 1); a request
     capped at a few output tokens (``decode_tokens``) decodes too briefly to leave its holder."""
