@@ -726,10 +726,11 @@ def _relief_target(views: Sequence[WorkerView], best_h: WorkerView, eff: Mapping
                    c: PlacementConfig) -> WorkerView | None:
     """The worker a match goes to instead of its busy holder ``best_h`` because decoding there
     contends with fewer sequences (``PlacementConfig.contention_weight``): it evicts no warm block,
-    has room for the copy and ``relief_room`` - 1 more like it, has fewer requests in flight, and its effective TTFT (``eff``: the spill
-    rule's, with its eviction, repeated-prefill and pull terms) plus ``contention_s`` per request in
-    flight, and ``block_charge`` x ``relief_copy_weight`` per block the copy adds there, beats the
-    holder's by ``spill_abs_s`` or ``tie_ratio``. The best such worker, or None."""
+    has room for the copy and ``relief_room`` - 1 more like it, has fewer requests in flight, and
+    its effective TTFT (``eff``: the spill rule's, with its eviction, repeated-prefill and pull
+    terms) plus ``contention_s`` per request in flight, and ``block_charge`` x ``relief_copy_weight``
+    per block the copy adds there, beats the holder's by ``spill_abs_s`` or ``tie_ratio``. The best
+    such worker, or None."""
     if contention_s <= 0 or c.contention_weight <= 0:
         return None
 
