@@ -82,6 +82,11 @@ class AppSettings:
     # sleep, at most reject_delay_max_held at once per replica; 0: off): policies/reject_delay.py
     reject_delay_s: float = 1.0
     reject_delay_max_held: int = 256
+    # a batched completion's prompts each take a lease (the tenant's limits count prompts); those
+    # its limits refuse wait while others of the request run and start as their leases end. The
+    # request fails with the 429 when nothing of it runs: every prompt refused at once, or a prompt
+    # refused this long with none of the request's prompts in flight (``_BatchAdmission``)
+    batch_wait_s: float = 30.0
     # niceness added to each worker's engine thread (EngineConfig.thread_nice); e.g. -5 gives the
     # engine CPU precedence over the Serve proxy and ingress on shared cores (needs root)
     engine_thread_nice: int = 0
@@ -382,6 +387,9 @@ class _Ctx:
             err = _as_api_error(e)
             code = err.status
             raise err from None
+        except BaseException:  # client disconnected (cancelled): not a success
+            code = 499
+            raise
         finally:
             await self._close()
             self._done(code)
@@ -412,6 +420,8 @@ class _Ctx:
             if self.include_usage:
                 yield event([], asm.usage(), self._kvmesh())
             yield DONE
+        except ray.exceptions.TaskCancelledError:  # Serve cancelled the request: its client went away
+            code = 499
         except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band
             err = _as_api_error(e)
             code = err.status
@@ -433,6 +443,101 @@ async def _first(stream):
     return item, time.perf_counter()
 
 
+_END = object()
+BATCH_RETRY_MIN_S = 0.05  # a refused prompt of a batch asks again no sooner than this
+
+
+class _Prefetched:
+    """A stream read ahead by its own task into a queue (a batched request's prompts): its worker
+    finishes and its lease ends whenever the response reads it, so the batch's later prompts,
+    waiting for those leases (``_BatchAdmission``), cannot wait on a reader waiting for them.
+    ``on_end`` runs exactly once, when the stream has ended, failed or been closed."""
+
+    def __init__(self, stream, on_end):
+        self._q: asyncio.Queue = asyncio.Queue()
+        self._on_end, self._ended = on_end, False
+        self._task = asyncio.get_running_loop().create_task(self._pump(stream))
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._on_end()
+
+    async def _pump(self, stream) -> None:
+        try:
+            async with contextlib.aclosing(stream) as items:
+                async for item in items:
+                    self._q.put_nowait((item, None))
+            self._q.put_nowait((None, _END))
+        except Exception as e:  # noqa: BLE001 - the reader raises it
+            self._q.put_nowait((None, e))
+        finally:
+            self._end()
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item, e = await self._q.get()
+        if e is _END:
+            self._q.put_nowait((None, _END))
+            raise StopAsyncIteration
+        if e is not None:
+            raise e
+        return item
+
+    async def aclose(self) -> None:
+        await _cancel([self._task])
+        self._end()  # (a task cancelled before it ran never reached its finally)
+
+
+class _BatchAdmission:
+    """The prompts of one batched request, each admitted on its own lease: the tenant's
+    concurrency and rate limits count prompts, so a batch larger than ``max_concurrent`` (or than
+    its rate bucket) could never be admitted at once, and a 429 for it would be one that no retry
+    fixes. At most ``window`` prompts are in flight at once (the tenant's limits); a prompt the
+    limits refuse (other requests of the tenant hold its leases) asks again when one of the
+    request's prompts ends, or after the refusal's Retry-After. The request fails with that 429
+    only when nothing of it runs: every prompt in flight refused and none ever admitted, or a
+    prompt refused for ``wait_s`` with none of the request's prompts in flight."""
+
+    def __init__(self, pool, requests: list[Request], window: int, wait_s: float):
+        self.pool, self.requests, self.wait_s = pool, requests, wait_s
+        self.streams: list = [None] * len(requests)
+        self.slots = asyncio.Semaphore(max(1, window))
+        self.active = 0  # attempts in flight: waiting for admission, or admitted and not ended
+        self.admitted = False  # a prompt has had its first output
+        self.changed = asyncio.Event()  # set, and replaced, when an attempt ends
+
+    def _ended(self) -> None:
+        self.active -= 1
+        self.slots.release()
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def first(self, p: int):
+        """Prompt ``p``'s first output and when it came, as ``_first``."""
+        idle_since = None
+        while True:
+            await self.slots.acquire()
+            self.active += 1
+            s = self.streams[p] = _Prefetched(self.pool.generate(self.requests[p]), self._ended)
+            try:
+                got = await _first(s)
+            except Rejected as e:
+                await s.aclose()
+                now, wait = time.monotonic(), max(BATCH_RETRY_MIN_S, e.retry_after_s)
+                idle_since = None if self.active else (idle_since or now)
+                if idle_since is not None and (not self.admitted or now + wait - idle_since > self.wait_s):
+                    raise
+                changed = self.changed
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(changed.wait(), wait)
+                continue
+            self.admitted = True
+            return got
+
+
 class ClosingStreamingResponse(StreamingResponse):
     """A ``StreamingResponse`` that always closes its body iterator when the response ends.
 
@@ -445,6 +550,8 @@ class ClosingStreamingResponse(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except ray.exceptions.TaskCancelledError:  # the client went away (Serve's receive() raises it)
+            log.debug("stream ended: the client disconnected")
         finally:
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
@@ -531,6 +638,8 @@ def _as_api_error(e: BaseException) -> ApiError:
     if isinstance(e, (ControllerClosing, ray.exceptions.RayActorError)):
         return ApiError(503, "the kvmesh controller is restarting; retry later", type_="server_error",
                         code="controller_unavailable")
+    if isinstance(e, ray.exceptions.TaskCancelledError):  # Serve cancelled it: the client disconnected
+        return ApiError(499, "the client closed the request", type_="server_error", code="client_closed_request")
     if isinstance(e, ConfigMismatch):
         log.error("kvmesh replica refused by its controller: %s", e)
         return ApiError(503, f"this replica cannot attach to the kvmesh controller: {e}", type_="server_error",
@@ -883,7 +992,8 @@ class KvmeshIngress:
                                code="context_length_exceeded", param=param)
             max_tokens = requested
             if max_tokens is None:
-                max_tokens = min(self.settings.default_chat_max_tokens, self.max_model_len - n) if chat else 16
+                # the room left, at most the default (completions: OpenAI's 16)
+                max_tokens = min(self.settings.default_chat_max_tokens if chat else 16, self.max_model_len - n)
             elif score_only:
                 max_tokens = 1  # the engine generates >= 1 token; the answer drops it
             elif n + max_tokens > self.max_model_len:
@@ -924,12 +1034,21 @@ class KvmeshIngress:
             raise err from None
         t0 = time.perf_counter()
         # admission + routing by the controller, then the worker's stream; all prompts at once
-        streams = [self.pool.generate(r) for r in requests]
+        # (a batch: as many as the tenant's limits let in flight, the others as their leases end)
+        if len(requests) == 1:
+            streams = [self.pool.generate(requests[0])]
+            starts = [_first(streams[0])]
+        else:
+            batch = _BatchAdmission(self.pool, requests, tenant.limits.batch_window(len(requests)),
+                                    self.settings.batch_wait_s)
+            streams = batch.streams  # filled as the prompts start
+            starts = [batch.first(p) for p in range(len(requests))]
         try:
-            firsts = await _all([_first(s) for s in streams])  # errors before the first token → 4xx/5xx
+            firsts = await _all(starts)  # errors before the first token → 4xx/5xx
         except BaseException as e:
             for s in streams:
-                await s.aclose()
+                if s is not None:
+                    await s.aclose()
             if isinstance(e, Rejected):
                 e = self._rejected(tenant.name, e.reason, e.retry_after_s)
             if not isinstance(e, Exception):  # cancelled: the client went away before the first token

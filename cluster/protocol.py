@@ -9,8 +9,9 @@ tokenizer body), turns it into engine ``Request``s and formats the outputs back
 * an OpenAI/vLLM field kvmesh does not implement (``UNSUPPORTED``) is a 400 naming it
   (``param``, code ``unsupported_parameter``) unless it is null or its neutral value;
 * a field nobody defines is a 400 naming it (code ``unknown_parameter``), never silently ignored;
-* harmless metadata (``user``, ``metadata``, ``store: false``, ``service_tier: auto|default``)
-  is accepted and has no effect.
+* harmless metadata (``user``, ``metadata``, ``store: false``, ``service_tier: auto|default``,
+  ``prompt_cache_key``, ``safety_identifier``, ``stream_options.include_obfuscation``) is
+  accepted and has no effect.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "web_search_options": ("web search is not implemented", ()),
     "reasoning_effort": ("the served models do not reason", ()),
     "verbosity": ("the served models have no verbosity control", ()),
-    "prompt_cache_key": ("use the kvmesh prefix cache (automatic) and kvmesh.reuse", ()),
-    "safety_identifier": ("not implemented", ()),
+    # our prefix cache lives as long as its tenant's TTL (tenants file): "in_memory" is what it is
+    "prompt_cache_retention": ("extended cache retention is not implemented; a tenant's prefixes live as "
+                               "long as its cache TTL (tenants file)", ("in_memory",)),
     # vLLM extensions
     "use_beam_search": ("beam search is not implemented", (False,)),
     "length_penalty": ("beam search is not implemented", (1, 1.0)),
@@ -140,6 +142,7 @@ class KvmeshOptions(_Strict):
 class StreamOptions(_Strict):
     include_usage: StrictBool | None = False
     continuous_usage_stats: StrictBool | None = False  # with include_usage: every chunk carries the usage so far
+    include_obfuscation: StrictBool | None = None  # OpenAI pads chunks against length side channels: no effect here
 
 
 class JsonSchemaFormat(_Strict):
@@ -196,6 +199,9 @@ class _Body(_Strict):
     store: Literal[False] | None = None  # true would ask us to keep the completion: we keep nothing
     service_tier: Literal["auto", "default"] | None = None
     parallel_tool_calls: StrictBool | None = None  # without tools (rejected) it has no effect
+    # a routing hint for OpenAI's cache: kvmesh routes by the prompt's cached prefix itself
+    prompt_cache_key: Annotated[str, Field(strict=True, max_length=1024)] | None = None
+    safety_identifier: Annotated[str, Field(strict=True, max_length=1024)] | None = None  # an end user's id
     kvmesh: KvmeshOptions | None = None
     # vLLM extension: names the response (id "cmpl-<request_id>"); engine ids stay the server's own
     request_id: Annotated[str, Field(strict=True, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")] | None = None

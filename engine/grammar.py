@@ -12,6 +12,7 @@ terminated is finished (``stop``); a spec xgrammar cannot compile raises Invalid
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from engine.sequence import GrammarSpec, InvalidRequest
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+_SOURCE_PREFIX = re.compile(r"^\[[0-9:.]+\]\s+\S+:\d+:\s*")  # "[13:16:36] /project/cpp/x.cc:5082: "
 
 
 def _tokenizer_info(tokenizer, vocab_size: int, eos_ids: set[int]):
@@ -76,6 +78,7 @@ class GrammarCache:
             compiled = compiler.compile_json_schema(schema, any_whitespace=False)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the reason
             msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+            msg = _SOURCE_PREFIX.sub("", msg)  # xgrammar's "[hh:mm:ss] /its/source.cc:123: " prefix
             raise InvalidRequest(f"the JSON schema cannot be compiled: {msg}") from None
         self._compiled[spec] = compiled
         self.stats["compiled"] += 1

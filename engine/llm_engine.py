@@ -213,7 +213,7 @@ class LLMEngine:
         seq = Sequence(request=request, tokens=list(request.prompt_ids), num_prompt=len(request.prompt_ids),
                        index=index, group=group)
         if p.seed is not None:
-            seq.generator = torch.Generator().manual_seed(p.seed + index)
+            seq.generator = torch.Generator().manual_seed((p.seed + index) % SEED_RANGE)
         seq.detok = IncrementalDetokenizer(self.tokenizer)
         if p.grammar is not None:
             seq.matcher = self.grammars.matcher(p.grammar)
@@ -923,15 +923,17 @@ class LLMEngine:
 
 
 
-SEED_RANGE = 2 ** 64  # torch.Generator.manual_seed takes [0, 2**64)
+SEED_RANGE = 2 ** 64  # torch.Generator.manual_seed takes [0, 2**64): a seed is taken modulo this
+SEED_MIN = -(2 ** 63)  # negative seeds (any int64, as OpenAI and vLLM accept) seed (seed mod 2**64)
 
 
 def check_sampling_limits(params) -> None:
-    """Raise InvalidRequest for sampling values the engine cannot run (a seed torch refuses)."""
+    """Raise InvalidRequest for sampling values the engine cannot run (a seed outside int64 and
+    [0, 2**64))."""
     seed = params.seed
     n = max(1, int(getattr(params, "n", 1) or 1))  # choice i of n seeds its generator with seed + i
-    if seed is not None and not (isinstance(seed, int) and 0 <= seed and seed + n - 1 < SEED_RANGE):
-        raise InvalidRequest(f"seed must be an integer in [0, 2**64 - n), got {str(seed)[:40]}")
+    if seed is not None and not (isinstance(seed, int) and SEED_MIN <= seed and seed + n - 1 < SEED_RANGE):
+        raise InvalidRequest(f"seed must be an integer in [-2**63, 2**64 - n), got {str(seed)[:40]}")
 
 
 def check_approx_fields(request: Request) -> None:

@@ -3,8 +3,9 @@
 Every option is a tensor operation over the rows that use it (never a Python loop over the
 vocabulary); rows without options stay on the fast path (one argmax, one softmax + multinomial).
 Processing order, per row: repetition penalty (prompt + output tokens, HF/vLLM rule), frequency
-and presence penalties (output tokens, OpenAI rule), logit_bias, banned ids (min_tokens), the grammar mask, then
-temperature, top_k, min_p, top_p and the draw. Greedy rows (temperature < 1e-5) take the argmax
+and presence penalties (output tokens, OpenAI rule), logit_bias, the grammar mask, banned ids
+(min_tokens: EOS and stop ids; not where they are all the grammar allows, i.e. its output is
+complete: the grammar's constraint is hard, min_tokens yields), then temperature, top_k, min_p, top_p and the draw. Greedy rows (temperature < 1e-5) take the argmax
 of the processed logits.
 
 Logprobs are ``log_softmax`` of the raw logits (before any processing), as vLLM's default.
@@ -57,7 +58,7 @@ def _token_counts(lists: list[list[int]], vocab: int, device) -> torch.Tensor:
 
 
 def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> None:
-    """Repetition, frequency/presence penalties, logit_bias and banned ids, in place on ``x`` [S, V]."""
+    """Repetition, frequency/presence penalties and logit_bias, in place on ``x`` [S, V]."""
     V, dev = x.shape[1], x.device
     rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
     if rep:
@@ -65,7 +66,10 @@ def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> None:
         seen = _token_counts([rows[i].tokens for i in rep], V, dev) > 0
         pen = torch.tensor([rows[i].params.repetition_penalty for i in rep], device=dev)[:, None]
         sub = x[idx]
-        x[idx] = torch.where(seen, torch.where(sub > 0, sub / pen, sub * pen), sub)
+        # a penalty below ~1e-38 is 0 in float32: the quotient saturates at the largest finite
+        # logit instead of reaching inf (which would leave the row with nothing to sample)
+        up = (sub / pen).clamp(max=torch.finfo(x.dtype).max)
+        x[idx] = torch.where(seen, torch.where(sub > 0, up, sub * pen), sub)
     fp = [i for i, r in enumerate(rows) if r.params.frequency_penalty or r.params.presence_penalty]
     if fp:
         idx = _idx(fp, dev)
@@ -77,10 +81,19 @@ def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> None:
     if bias:
         r_, t_, b_ = zip(*bias)
         x.index_put_((_idx(list(r_), dev), _idx(list(t_), dev)), torch.tensor(b_, device=dev), accumulate=True)
-    ban = [(i, t) for i, r in enumerate(rows) for t in r.banned if t < V]
-    if ban:
-        r_, t_ = zip(*ban)
-        x[_idx(list(r_), dev), _idx(list(t_), dev)] = float("-inf")
+
+
+def apply_bans(x: torch.Tensor, rows: list[SampleRow]) -> None:
+    """Each row's banned ids to -inf, in place on ``x`` [S, V], where that leaves the row a token
+    to draw: where the ids are all a grammar allows (its JSON is complete), the row keeps them."""
+    V = x.shape[1]
+    for i, r in enumerate(rows):
+        ids = [t for t in r.banned if t < V]
+        if ids:
+            kept = x[i].clone()
+            kept[_idx(ids, x.device)] = float("-inf")
+            if bool(torch.isfinite(kept.max())):
+                x[i] = kept
 
 
 def _filtered_probs(z: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
@@ -122,6 +135,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], mask_fn=None) -> SampleR
         apply_penalties(x, rows)
     if mask_fn is not None:
         mask_fn(x)
+    if any(r.banned for r in rows):
+        apply_bans(x, rows)
     row_max = x.max(dim=-1).values
     ok = torch.isfinite(row_max).tolist()  # NaN anywhere or every token masked -> unusable
     for i in range(S):

@@ -92,6 +92,17 @@ class RateLimit:
             return float(self.burst)
         return max(1.0, float(self.requests_per_s or 1.0))
 
+    def batch_window(self, prompts: int) -> int:
+        """How many of a batched request's ``prompts`` may ask for admission at once: all of them,
+        at most ``max_concurrent``, and with a rate limit at most what its bucket holds (each
+        prompt takes a lease and a token; the rest start as the first ones end)."""
+        n = prompts
+        if self.max_concurrent is not None:
+            n = min(n, self.max_concurrent)
+        if self.requests_per_s is not None:
+            n = min(n, int(self.capacity))
+        return max(1, n)
+
 
 @dataclass(frozen=True)
 class TenantConfig:

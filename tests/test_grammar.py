@@ -106,5 +106,26 @@ def test_grammar_cache_is_lru_and_rejects_bad_schemas(tiny_model):
     cache.compile(specs[0])  # evicted: compiled again
     assert cache.stats["compiled"] == 4
     for bad in ('{"type": "objectx"}', "[1, 2", '{"type": "object", "properties": {"a": {"type": "strin"}}}'):
-        with pytest.raises(InvalidRequest):
+        with pytest.raises(InvalidRequest) as e:
             cache.compile(GrammarSpec("json_schema", bad))
+        assert ".cc:" not in str(e.value) and "/project" not in str(e.value)  # the reason, not xgrammar's source line
+    with pytest.raises(InvalidRequest, match=r'cannot be compiled: Unsupported type "objectx"$'):
+        cache.compile(GrammarSpec("json_schema", '{"type": "objectx"}'))
+
+
+def test_a_grammar_that_can_only_end_ends_before_min_tokens(tiny_model):
+    """min_tokens bans EOS, a complete grammar allows nothing else: the grammar wins (before: the
+    row had no token to draw and the request failed with a 500)."""
+    eng = LLMEngine(TINY, loaded=tiny_model)
+    spec = GrammarSpec("json_schema", json.dumps({"enum": [1]}))
+    outs = eng.generate([Request("g", tuple(range(3, 20)), SamplingParams(max_tokens=16, min_tokens=8,
+                                                                          temperature=0.0, grammar=spec))])["g"]
+    assert outs[-1].error is None and outs[-1].finish_reason == "stop"
+    toks = [t for t in ids(outs) if t not in eng.eos_ids]
+    assert tiny_model.tokenizer.decode(toks) == "1"
+    # where the grammar leaves a choice (an integer may go on), min_tokens still holds EOS back
+    spec = GrammarSpec("json_schema", json.dumps({"type": "integer"}))
+    outs = eng.generate([Request("i", tuple(range(3, 20)), SamplingParams(max_tokens=12, min_tokens=6,
+                                                                          temperature=0.0, grammar=spec))])["i"]
+    assert outs[-1].error is None and len(ids(outs)) >= 6
+    assert eng.pool.num_free_blocks() == eng.pool.num_blocks

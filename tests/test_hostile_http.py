@@ -35,7 +35,7 @@ CASES = {  # name -> (path, content bytes, expected status)
     "deep nesting of a template body": ("/v1/templates", b"[" * 5000 + b"]" * 5000, 400),
     "seed 2**64": ("/v1/completions", json.dumps(body(seed=2 ** 64)).encode(), 400),
     "seed 10**30": ("/v1/completions", json.dumps(body(seed=10 ** 30)).encode(), 400),
-    "negative seed": ("/v1/completions", json.dumps(body(seed=-1)).encode(), 400),
+    "seed below int64": ("/v1/completions", json.dumps(body(seed=-(2 ** 63) - 1)).encode(), 400),
     "negative token id": ("/v1/completions", json.dumps(body(prompt=[5, -1, 7])).encode(), 400),
     "token id past the vocabulary": ("/v1/completions", json.dumps(body(prompt=[5, 512])).encode(), 400),
     "giant token id": ("/v1/completions", json.dumps(body(prompt=[10 ** 30])).encode(), 400),
@@ -125,4 +125,16 @@ async def test_long_prompt_within_the_bound_is_tokenized_and_served(served):
     r = await client.post("/v1/completions", headers=AUTH, json=body(prompt="z" * n, max_tokens=2))
     assert r.status_code == 200, r.text  # > ENCODE_INLINE_CHARS: tokenized on a thread
     assert r.json()["usage"]["prompt_tokens"] == n  # byte tokenizer: one id per byte
+    await normal_request_works(client, engine)
+
+
+async def test_a_prompt_near_the_context_without_max_tokens_gets_the_room_left(served):
+    # completions default to 16 new tokens; a prompt 3 short of the context got a 400 naming a
+    # max_tokens of 16 the client never sent
+    client, ing, engine = served
+    n = ing.max_model_len - 3
+    r = await client.post("/v1/completions", headers=AUTH, json={"model": TINY, "prompt": [5] * n, "temperature": 0,
+                                                                "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3 and r.json()["choices"][0]["finish_reason"] == "length"
     await normal_request_works(client, engine)

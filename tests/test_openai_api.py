@@ -237,6 +237,10 @@ def test_n_with_seed_reproduces_and_choice_i_uses_seed_plus_i(server):
     assert sorted(f.index for f in finals) == [0, 1, 2]
     chat = c.chat.completions.create(model=TINY, messages=MSGS, n=2, seed=3, max_tokens=4, temperature=1.0)
     assert [ch.index for ch in chat.choices] == [0, 1] and chat.usage.completion_tokens == 8
+    # any int64 seed, as OpenAI and vLLM accept: a negative one seeds (seed mod 2**64)
+    neg = c.completions.create(n=2, seed=-5, **kw)
+    assert [ch.text for ch in neg.choices] == [ch.text for ch in c.completions.create(n=2, seed=-5, **kw).choices]
+    assert neg.choices[0].text == c.completions.create(n=1, seed=2 ** 64 - 5, **kw).choices[0].text
 
 
 def test_best_of_picks_by_cumulative_logprob_and_cannot_stream(server):

@@ -294,6 +294,7 @@ async def test_client_learns_a_rate_refusal():
 LIMITED = {"tenants": [
     {"name": "acme", "api_keys": ["sk-acme"], "cache": {"min_blocks": 8}},  # others may hold 8 of 16 blocks
     {"name": "single", "api_keys": ["sk-single"], "limits": {"max_concurrent": 1}},
+    {"name": "pair", "api_keys": ["sk-pair"], "limits": {"max_concurrent": 2}},
     {"name": "slow", "api_keys": ["sk-slow"], "limits": {"requests_per_s": 0.001, "burst": 1}},
 ]}
 
@@ -393,6 +394,87 @@ async def test_an_early_retry_gets_the_same_429_held_and_the_first_one_at_once(s
     from tests.ingress_harness import pool_idle
 
     assert await pool_idle(engine)
+
+
+def _held(ing, tenant: str, rid: str = "held"):
+    from engine.sequence import Request, SamplingParams
+
+    return ing.pool.generate(Request(rid, tuple(range(3, 13)), SamplingParams(max_tokens=100, ignore_eos=True),
+                                     tenant=tenant))
+
+
+def _idle_leases(ing) -> bool:
+    return not any(ing.pool.local.held.values()) and not any(ing.pool.controller.admission.inflight.values())
+
+
+async def test_a_batch_larger_than_the_concurrency_limit_runs_its_prompts_in_turn(served):
+    from tests.ingress_harness import pool_idle
+
+    client, ing, engine = served
+    begun = ing.pool.begun
+    r = await _post(client, "sk-single", _good(prompt=["one", "two", "three"], max_tokens=3))
+    assert r.status_code == 200, r.text  # before: a 429 that no retry could fix (3 prompts, 1 lease)
+    choices = r.json()["choices"]
+    assert sorted(c["index"] for c in choices) == [0, 1, 2] and all(c["finish_reason"] for c in choices)
+    assert r.json()["usage"]["completion_tokens"] == 9
+    assert ing.pool.begun == begun + 3  # one prompt in flight at a time: never refused
+    assert _rejected(ing, "single", "concurrency") == 0 and _idle_leases(ing)
+    r = await _post(client, "sk-single", _good(prompt=["four", "five"], max_tokens=2, stream=True))
+    assert r.status_code == 200 and r.text.count('"finish_reason": "length"') == 2 and "[DONE]" in r.text
+    assert _idle_leases(ing) and await pool_idle(engine)
+
+
+async def test_a_batch_waits_for_leases_another_request_holds_and_fails_only_when_none_is_free(served):
+    from tests.ingress_harness import pool_idle
+
+    client, ing, engine = served
+    held = _held(ing, "pair")
+    await held.__anext__()  # another request of "pair" holds one of its two leases
+    begun = ing.pool.begun
+    r = await _post(client, "sk-pair", _good(prompt=["a", "b", "c"], max_tokens=2))
+    assert r.status_code == 200, r.text  # the batch ran through the one lease left
+    assert len(r.json()["choices"]) == 3
+    assert ing.pool.begun > begun + 3  # the second prompt was refused while the first ran, then admitted
+    held2 = _held(ing, "pair", "held2")
+    await held2.__anext__()  # now both leases are held: nothing of a batch can run
+    begun = ing.pool.begun
+    r = await _post(client, "sk-pair", _good(prompt=["a", "b"], max_tokens=2))
+    assert r.status_code == 429 and ing.pool.begun == begun  # refused by pre-admission, as a single prompt
+    # the controller's own refusal of every prompt (another replica's leases: pre-admission cannot know)
+    ing.pool.pre_admit = lambda tenant: SimpleNamespace(ok=True)
+    r = await _post(client, "sk-pair", _good(prompt=["a", "b"], max_tokens=2))
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+    assert ing.pool.begun == begun + 2  # asked once each, refused, not retried
+    await held.aclose()
+    await held2.aclose()
+    assert _idle_leases(ing) and await pool_idle(engine)
+    # a rate-limited tenant's bucket holds one token: the second prompt cannot be admitted for
+    # ~1000 s, longer than the batch waits, so the batch is a 429 (its first prompt's lease ended)
+    r = await _post(client, "sk-slow", _good(prompt=["x", "y"], max_tokens=2))
+    assert r.status_code == 429, r.text
+    assert _idle_leases(ing) and await pool_idle(engine)
+
+
+async def test_a_whole_response_whose_client_went_away_counts_as_499(served):
+    from tests.ingress_harness import pool_idle
+
+    client, ing, engine = served
+    task = asyncio.get_running_loop().create_task(_post(client, "sk-acme", _good(max_tokens=200, ignore_eos=True)))
+    for _ in range(500):  # until its first token has come: the response is being assembled
+        await asyncio.sleep(0.01)
+        if ing.metrics.ttft.labels(tenant="acme")._sum.get() > 0:
+            break
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    count = ing.metrics.requests.labels(tenant="acme", endpoint="completions", code="499")._value.get()
+    assert count == 1
+    assert ing.metrics.requests.labels(tenant="acme", endpoint="completions", code="200")._value.get() == 0
+    for _ in range(100):
+        if _idle_leases(ing):
+            break
+        await asyncio.sleep(0.01)
+    assert _idle_leases(ing) and await pool_idle(engine)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -154,6 +154,20 @@ def test_sampler_fails_only_the_bad_row():
     assert res.errors[0] is None and res.errors[2] is not None
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.5])
+def test_a_vanishing_repetition_penalty_samples_a_seen_token_not_an_error(temperature):
+    # (0, 2] admits 1e-300, which is 0 in float32: a seen token's positive logit divided by it
+    # was inf, and the row had nothing to sample (HTTP 500)
+    logits = torch.zeros(1, 50)
+    logits[0, 3], logits[0, 9] = 1.0, 2.0  # 9 is the best unseen token; 3 was seen
+    row = SampleRow(SamplingParams(temperature=temperature, repetition_penalty=1e-300, seed=0), tokens=[3, 4],
+                    num_prompt=2)
+    if temperature:
+        row.generator = torch.Generator().manual_seed(0)
+    res = sample(logits, [row])
+    assert res.errors == [None] and res.tokens == [3]  # the penalty < 1 favours what was seen
+
+
 class _RejectAll:
     """A grammar matcher stand-in that allows no token at all."""
 
