@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve import Application
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from actors.head_affinity import ingress_actor_options
 from cluster.metrics import CONTENT_TYPE_LATEST, Metrics
@@ -638,7 +639,7 @@ def _as_api_error(e: BaseException) -> ApiError:
     if isinstance(e, (ControllerClosing, ray.exceptions.RayActorError)):
         return ApiError(503, "the kvmesh controller is restarting; retry later", type_="server_error",
                         code="controller_unavailable")
-    if isinstance(e, ray.exceptions.TaskCancelledError):  # Serve cancelled it: the client disconnected
+    if isinstance(e, (ray.exceptions.TaskCancelledError, ClientDisconnect)):  # the client went away
         return ApiError(499, "the client closed the request", type_="server_error", code="client_closed_request")
     if isinstance(e, ConfigMismatch):
         log.error("kvmesh replica refused by its controller: %s", e)

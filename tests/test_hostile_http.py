@@ -138,3 +138,21 @@ async def test_a_prompt_near_the_context_without_max_tokens_gets_the_room_left(s
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 3 and r.json()["choices"][0]["finish_reason"] == "length"
     await normal_request_works(client, engine)
+
+
+def test_a_client_that_went_away_is_a_quiet_499_not_an_internal_error(caplog):
+    # Serve's receive() raises TaskCancelledError, Starlette's body read ClientDisconnect: both
+    # were 500 internal_error, logged at ERROR with a traceback
+    import logging
+
+    import ray
+    from starlette.requests import ClientDisconnect
+
+    from cluster.app import _as_api_error
+
+    with caplog.at_level(logging.ERROR, logger="cluster.app"):
+        for e in (ray.exceptions.TaskCancelledError(), ClientDisconnect()):
+            err = _as_api_error(e)
+            assert err.status == 499 and err.code == "client_closed_request"
+        assert _as_api_error(RuntimeError("boom")).status == 500  # a real failure stays one, logged
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["request failed"]
