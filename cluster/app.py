@@ -626,19 +626,20 @@ def _as_api_error(e: BaseException) -> ApiError:
     if isinstance(e, InvalidRequest):
         msg = str(e).splitlines()[-1] if str(e) else "invalid request"
         return ApiError(400, msg.split("InvalidRequest: ")[-1])
+    retry = {"Retry-After": "1"}  # a 503 here is transient: a worker or the controller is being replaced
     if isinstance(e, (EngineStepFailed, EngineDead)):
         return ApiError(503, f"the worker's engine failed; retry the request ({_last_line(e)[:200]})",
-                        type_="server_error", code="engine_failed")
+                        type_="server_error", code="engine_failed", headers=retry)
     if isinstance(e, TemplateQuotaExceeded):
         return ApiError(429, str(e), type_="requests", code="template_quota_exceeded", param="id")
     if isinstance(e, WorkerUnavailable):
-        return ApiError(503, str(e), type_="server_error", code="worker_unavailable")
+        return ApiError(503, str(e), type_="server_error", code="worker_unavailable", headers=retry)
     if isinstance(e, (asyncio.TimeoutError, TimeoutError, ray.exceptions.GetTimeoutError)):
         return ApiError(503, "the kvmesh controller did not answer in time; retry later", type_="server_error",
-                        code="controller_timeout")
+                        code="controller_timeout", headers=retry)
     if isinstance(e, (ControllerClosing, ray.exceptions.RayActorError)):
         return ApiError(503, "the kvmesh controller is restarting; retry later", type_="server_error",
-                        code="controller_unavailable")
+                        code="controller_unavailable", headers=retry)
     if isinstance(e, (ray.exceptions.TaskCancelledError, ClientDisconnect)):  # the client went away
         return ApiError(499, "the client closed the request", type_="server_error", code="client_closed_request")
     if isinstance(e, ConfigMismatch):

@@ -72,6 +72,7 @@ TEMPLATES_PER_TENANT = 256
 # client left while ``begin`` was in flight ends the lease by its id without knowing whether begin
 # ran, ran to the end, or is still routing (then begin finds the end here and opens nothing)
 EARLY_END_KEEP_S = 600.0
+STREAM_RETRIES = 1  # a request whose worker fails before its first output begins again this many times
 EARLY_END_MAX = 65536
 TEMPLATE_CHARS_PER_TENANT = 4 << 20
 
@@ -147,7 +148,8 @@ def _diff(a: PoolConfig, b: PoolConfig) -> list[str]:
 class Controller:
     """The app's worker pool and admission behind leases (see the module docstring)."""
 
-    def __init__(self, app: str, config: PoolConfig, tenants_data: dict, client_ttl_s: float = 30.0):
+    def __init__(self, app: str, config: PoolConfig, tenants_data: dict, client_ttl_s: float = 30.0,
+                 template_store: TemplateStore | None | str = "auto"):
         config = for_app(config, app)
         self.app, self.config, self.tenants_data, self.client_ttl_s = app, config, tenants_data, client_ttl_s
         self.tenants = Tenants.from_dict(tenants_data)
@@ -156,6 +158,14 @@ class Controller:
         self.pool = WorkerPool(resolve_pool_config(config))
         self.clients: dict[str, _Client] = {}
         self.templates: dict[tuple[str, str], str] = {}  # (tenant, id) -> text, POST /v1/templates
+        # kept beyond a crash of this actor ("auto": in Ray's GCS when this runs as an actor)
+        self._template_store = (TemplateStore(app) if _in_actor() else None) if template_store == "auto" \
+            else template_store
+        if self._template_store is not None:
+            try:
+                self.templates = {k: v for k, v in self._template_store.load().items() if k[0] in self.tenants.by_name}
+            except Exception:  # noqa: BLE001 - the GCS answers later calls or not: serve without them
+                log.exception("the templates of app %r could not be loaded", app)
         self.tenants_version = 1  # bumped by every applied tenants change
         self._superseded: set[str] = set()  # digests of tenants data replaced by a newer deploy
         self._detached_at: float | None = None  # when the last replica detached (None: one is attached)
@@ -228,7 +238,8 @@ class Controller:
         self.pool.config = dataclasses.replace(self.pool.config, shares=config.shares, engine=dataclasses.replace(
             pe, tenant_quotas=e.tenant_quotas, approx=approx))
         self.pool.autoscaler.shares = shares
-        self.templates = {k: v for k, v in self.templates.items() if k[0] in tenants.by_name}
+        for k in [k for k in self.templates if k[0] not in tenants.by_name]:  # a tenant that left
+            self._forget_template(*k)
         self.tenants_version += 1
         gates = None if approx is None else approx.tenant_gates
         live = [w for w in self.pool.workers.values() if w.info is not None]
@@ -272,7 +283,9 @@ class Controller:
                         now - self.clients[cid].last_seen, len(self.clients[cid].leases))
             self._drop(cid)
         if not self.clients and (gone or self._detached_at is None or now - self._detached_at >= self.client_ttl_s):
-            self._stop("no ingress replica is left")
+            # the last replica detached (the app was deleted) and none came back: templates go too;
+            # replicas that vanished (crashed) will be back, and find them
+            self._stop("no ingress replica is left", forget_templates=not gone and self._detached_at is not None)
         return gone
 
     def _touch(self, client_id: str) -> _Client:
@@ -382,11 +395,14 @@ class Controller:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _stop(self, why: str) -> None:
+    def _stop(self, why: str, forget_templates: bool = False) -> None:
         if self._closing:
             return
         self._closing = True
         log.info("kvmesh controller of app %r stops: %s", self.app, why)
+        if forget_templates:  # stopped on purpose: a later deploy of the app starts without them
+            for k in list(self.templates):
+                self._forget_template(*k)
         self._spawn(self._shutdown())
 
     async def _shutdown(self) -> None:
@@ -449,10 +465,63 @@ class Controller:
         if size > TEMPLATE_CHARS_PER_TENANT:
             raise TemplateQuotaExceeded(f"tenant {tenant!r}'s templates would hold {size} characters, more than "
                                         f"the limit of {TEMPLATE_CHARS_PER_TENANT}")
+        if self._template_store is not None:
+            self._template_store.put(tenant, template_id, text)  # before it answers: kept once acknowledged
         self.templates[(tenant, template_id)] = text
 
     def template(self, tenant: str, template_id: str) -> str | None:
         return self.templates.get((tenant, template_id))
+
+    def _forget_template(self, tenant: str, template_id: str) -> None:
+        self.templates.pop((tenant, template_id), None)
+        if self._template_store is not None:
+            try:
+                self._template_store.delete(tenant, template_id)
+            except Exception:  # noqa: BLE001 - the GCS is gone with the cluster
+                pass
+
+
+class TemplateStore:
+    """Where a controller keeps the templates registered over HTTP beyond its own life: Ray's GCS
+    key-value store, one key per (tenant, id) under the app's prefix. A controller that crashed
+    and was created again (by the next replica call) finds them there; an app stopped on purpose
+    (deleted, or its last replica detached) clears them. The GCS lives as long as the Ray cluster
+    (a fault probe: a template registered before a controller kill was a 400 "unknown template"
+    after it)."""
+
+    def __init__(self, app: str):
+        self.prefix = f"templates:{app}:".encode()
+
+    def _key(self, tenant: str, template_id: str) -> bytes:
+        return self.prefix + json.dumps([tenant, template_id]).encode()
+
+    def load(self) -> dict[tuple[str, str], str]:
+        from ray.experimental import internal_kv as kv
+
+        out = {}
+        for key in kv._internal_kv_list(self.prefix, namespace=NAMESPACE):
+            text = kv._internal_kv_get(key, namespace=NAMESPACE)
+            if text is not None:
+                tenant, tid = json.loads(key[len(self.prefix):])
+                out[(tenant, tid)] = text.decode()
+        return out
+
+    def put(self, tenant: str, template_id: str, text: str) -> None:
+        from ray.experimental import internal_kv as kv
+
+        kv._internal_kv_put(self._key(tenant, template_id), text.encode(), overwrite=True, namespace=NAMESPACE)
+
+    def delete(self, tenant: str, template_id: str) -> None:
+        from ray.experimental import internal_kv as kv
+
+        kv._internal_kv_del(self._key(tenant, template_id), namespace=NAMESPACE)
+
+
+def _in_actor() -> bool:
+    try:
+        return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    except Exception:  # noqa: BLE001 - no runtime context: not in an actor
+        return False
 
 
 def get_or_create_controller(app: str, config: PoolConfig, tenants_data: dict, client_ttl_s: float = 30.0):
@@ -627,7 +696,28 @@ class ControllerClient:
     async def generate(self, request: Request, ready_timeout_s: float = 60.0
                        ) -> AsyncIterator[tuple[Lease, RouteChoice, RequestOutput]]:
         """Like ``WorkerPool.generate``: stream a request's outputs from the leased worker. Closing
-        the iterator early cancels the request on the worker (its blocks are freed)."""
+        the iterator early cancels the request on the worker (its blocks are freed). A worker
+        that dies (or cannot be reached) before the request's first output is not the client's
+        problem: the request begins again, on another lease, up to ``STREAM_RETRIES`` times
+        (its lease ended first, as a dead worker's, so the router does not choose it again); after
+        an output has gone out, the stream fails (the client has part of an answer)."""
+        for attempt in range(STREAM_RETRIES + 1):
+            attempt_request = request if not attempt else dataclasses.replace(
+                request, request_id=f"{request.request_id}-retry{attempt}")  # a new lease id
+            sent = False
+            try:
+                async with contextlib.aclosing(self._generate_once(attempt_request, ready_timeout_s)) as items:
+                    async for item in items:
+                        sent = True
+                        yield item
+                return
+            except WorkerUnavailable as e:
+                if sent or not getattr(e, "before_output", False) or attempt == STREAM_RETRIES:
+                    raise
+                log.warning("request %s: %s before its first output; beginning it again", request.request_id, e)
+
+    async def _generate_once(self, request: Request, ready_timeout_s: float
+                             ) -> AsyncIterator[tuple[Lease, RouteChoice, RequestOutput]]:
         ticket = self.local.sent(request.tenant, time.monotonic())
         t_lease = time.perf_counter()
         try:
@@ -649,8 +739,9 @@ class ControllerClient:
                     self._progress[lid] = out.num_output_tokens
                     finished = out.finished
                     yield lease, choice, out
-        except WorkerDied:
-            dead = True
+        except WorkerUnavailable as e:  # from the worker's stream (WorkerDied: it is gone)
+            dead = isinstance(e, WorkerDied)
+            e.before_output = first
             raise
         finally:
             self.local.released(ticket)  # before end(): this replica never counts more than the controller

@@ -246,9 +246,10 @@ async def test_client_releases_on_disconnect_on_worker_error_and_on_cancel():
     assert c.handle.ends == [("gone", False, 0)]
 
     c = _client(_Worker(error=ray.exceptions.ActorDiedError()))
-    with pytest.raises(WorkerDied):
+    with pytest.raises(WorkerDied):  # (begun twice: the retry's worker died too)
         await c.generate(_request("dead")).__anext__()
-    assert c.local.held["acme"] == 0 and c.pre_admit("acme").ok
+    d = c.pre_admit("acme")  # both leases released; the two begins took the rate bucket's two tokens
+    assert c.local.held["acme"] == 0 and c.handle.begins == 2 and not d.ok and d.reason == "rate"
 
     c = _client(_Worker(), begin_delay_s=5.0)
     task = asyncio.get_running_loop().create_task(c.generate(_request("cancelled")).__anext__())
@@ -321,7 +322,7 @@ async def test_a_client_gone_while_begin_is_in_flight_ends_the_lease_unless_begi
     assert c.local.held.get("acme", 0) == 0 and c.pre_admit("acme").ok
 
 
-def _controller():
+def _controller(**kw):
     import dataclasses
 
     from cluster.app import AppSettings, pool_config
@@ -331,7 +332,7 @@ def _controller():
 
     tenants = Tenants.from_dict(TENANTS)
     cfg = dataclasses.replace(pool_config(AppSettings(model=TINY), tenants), engine=EngineConfig(model=TINY))
-    return Controller("local", cfg, TENANTS)
+    return Controller("local", cfg, TENANTS, **kw)
 
 
 async def test_an_end_that_reaches_the_controller_while_begin_routes_opens_nothing():
@@ -363,6 +364,48 @@ async def test_an_end_that_reaches_the_controller_while_begin_routes_opens_nothi
     assert lease.lease_id == "r3" and ctl.admission.inflight["acme"] == 1
     ctl.end("r3", True)
     assert not ctl._open and ctl.admission.inflight["acme"] == 0 and not ctl._early_ends
+
+
+class _DiesOnce(_Worker):
+    """A worker whose first stream fails after ``after`` outputs (the actor died); later ones run."""
+
+    def __init__(self, n: int = 3, after: int = 0):
+        super().__init__(n)
+        self.calls, self.after = 0, after
+
+    def _generate(self, request, pulls, donor_pulls):
+        import ray
+
+        from engine.sequence import RequestOutput
+
+        self.calls += 1
+        fail = self.calls == 1
+
+        async def refs():
+            for i in range(self.n):
+                async def ref(i=i):
+                    if fail and i >= self.after:
+                        raise ray.exceptions.ActorDiedError()
+                    return RequestOutput(request.request_id, [5], "x", i == self.n - 1, None, 20, 0, i + 1)
+                yield ref()
+        return refs()
+
+
+async def test_a_worker_that_dies_before_the_first_output_costs_the_client_nothing():
+    from cluster.pool import WorkerDied
+
+    c = _client(_DiesOnce())
+    outs = [out async for _, _, out in c.generate(_request("r"))]
+    assert [o.num_output_tokens for o in outs] == [1, 2, 3] and outs[-1].finished
+    assert c.handle.begins == 2 and [e[0] for e in c.handle.ends] == ["r", "r-retry1"]  # a new lease id
+    assert c.local.held.get("acme", 0) == 0
+    # after an output has gone out the stream fails: the client holds part of an answer
+    c = _client(_DiesOnce(after=1))
+    got = []
+    with pytest.raises(WorkerDied, match="died; retry the request$"):  # Ray's text (pid, address) is not sent
+        async for _, _, out in c.generate(_request("s")):
+            got.append(out)
+    assert len(got) == 1 and c.handle.begins == 1 and c.local.held.get("acme", 0) == 0
 
 
 async def test_client_learns_a_rate_refusal():
@@ -573,3 +616,40 @@ def _leave_no_ray_behind():
     yield
     if not was and ray.is_initialized():
         ray.shutdown()
+
+
+class _DictStore:
+    """``TemplateStore`` over a dict (Ray's GCS in the app)."""
+
+    def __init__(self):
+        self.d = {}
+
+    def load(self):
+        return dict(self.d)
+
+    def put(self, tenant, template_id, text):
+        self.d[(tenant, template_id)] = text
+
+    def delete(self, tenant, template_id):
+        self.d.pop((tenant, template_id), None)
+
+
+def test_registered_templates_outlive_a_controller_crash_not_a_deleted_app():
+    store = _DictStore()
+    ctl = _controller(template_store=store)
+    ctl.register_template("acme", "fr", "Translate to French: {text}")
+    ctl.register_template("acme", "fr", "Traduis : {text}")  # replaced, in the store too
+    ctl.register_template("globex", "sum", "Summarize: {text}")
+    again = _controller(template_store=store)  # the actor crashed; the next call made it anew
+    assert again.template("acme", "fr") == "Traduis : {text}" and again.template("globex", "sum") == "Summarize: {text}"
+    assert _controller(template_store=None).template("acme", "fr") is None  # (no store: none)
+    again.clients["replica"] = SimpleNamespace(last_seen=0.0, leases=set())
+    again._spawn = lambda coro: coro.close()  # (the shutdown task: not in this test)
+    again.reap(now=1000.0)  # a replica silent too long (crashed): stopped, the templates kept
+    assert again._closing and store.d
+    last = _controller(template_store=store)
+    last._spawn = lambda coro: coro.close()
+    last.detach("gone-replica")
+    last._detached_at = 0.0
+    last.reap(now=1000.0)  # the last replica detached and none came back (the app was deleted)
+    assert last._closing and not store.d
