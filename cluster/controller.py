@@ -72,8 +72,8 @@ TEMPLATES_PER_TENANT = 256
 # client left while ``begin`` was in flight ends the lease by its id without knowing whether begin
 # ran, ran to the end, or is still routing (then begin finds the end here and opens nothing)
 EARLY_END_KEEP_S = 600.0
-STREAM_RETRIES = 1  # a request whose worker fails before its first output begins again this many times
 EARLY_END_MAX = 65536
+STREAM_RETRIES = 1  # a request whose worker fails before its first output begins again this many times
 TEMPLATE_CHARS_PER_TENANT = 4 << 20
 
 
