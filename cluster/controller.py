@@ -360,8 +360,9 @@ class Controller:
         ends = self._early_ends
         ends.pop(lease_id, None)
         ends[lease_id] = now
-        for old, at in list(ends.items()):  # oldest first
-            if len(ends) <= EARLY_END_MAX and now - at < EARLY_END_KEEP_S:
+        while ends:  # the oldest first (insertion order); only what is dropped is visited
+            old = next(iter(ends))
+            if len(ends) <= EARLY_END_MAX and now - ends[old] < EARLY_END_KEEP_S:
                 break
             del ends[old]
 

@@ -606,7 +606,7 @@ class WorkerPool:
             if not self._ready.is_set() and not await self.wait_ready(ready_timeout_s):
                 raise WorkerUnavailable(self.error or "no worker is ready yet")
             t0 = time.perf_counter()
-            for attempt in range(ROUTE_ATTEMPTS):
+            for _ in range(ROUTE_ATTEMPTS):
                 cands = self.candidates(request.tenant)
                 if not cands:
                     raise WorkerUnavailable(self.error or "no worker is ready")

@@ -5,8 +5,8 @@ vocabulary); rows without options stay on the fast path (one argmax, one softmax
 Processing order, per row: repetition penalty (prompt + output tokens, HF/vLLM rule), frequency
 and presence penalties (output tokens, OpenAI rule), logit_bias, the grammar mask, banned ids
 (min_tokens: EOS and stop ids; not where they are all the grammar allows, i.e. its output is
-complete: the grammar's constraint is hard, min_tokens yields), then temperature, top_k, min_p, top_p and the draw. Greedy rows (temperature < 1e-5) take the argmax
-of the processed logits.
+complete: the grammar's constraint is hard, min_tokens yields), then temperature, top_k, min_p,
+top_p and the draw. Greedy rows (temperature < 1e-5) take the argmax of the processed logits.
 
 Logprobs are ``log_softmax`` of the raw logits (before any processing), as vLLM's default.
 
@@ -85,15 +85,18 @@ def apply_penalties(x: torch.Tensor, rows: list[SampleRow]) -> None:
 
 def apply_bans(x: torch.Tensor, rows: list[SampleRow]) -> None:
     """Each row's banned ids to -inf, in place on ``x`` [S, V], where that leaves the row a token
-    to draw: where the ids are all a grammar allows (its JSON is complete), the row keeps them."""
-    V = x.shape[1]
-    for i, r in enumerate(rows):
-        ids = [t for t in r.banned if t < V]
-        if ids:
-            kept = x[i].clone()
-            kept[_idx(ids, x.device)] = float("-inf")
-            if bool(torch.isfinite(kept.max())):
-                x[i] = kept
+    to draw: where the ids are all a grammar allows (its JSON is complete), the row keeps them.
+    One gather, one scatter and one reduction over the banned rows, whatever their number."""
+    V, dev = x.shape[1], x.device
+    ban = [(i, t) for i, r in enumerate(rows) for t in r.banned if t < V]
+    if not ban:
+        return
+    banned_rows = sorted({i for i, _ in ban})
+    at = {i: j for j, i in enumerate(banned_rows)}
+    kept = x[_idx(banned_rows, dev)]  # a copy
+    kept[_idx([at[i] for i, _ in ban], dev), _idx([t for _, t in ban], dev)] = float("-inf")
+    left = torch.isfinite(kept.max(dim=-1).values)  # a token is left to draw
+    x[_idx(banned_rows, dev)[left]] = kept[left]
 
 
 def _filtered_probs(z: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
@@ -135,8 +138,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], mask_fn=None) -> SampleR
         apply_penalties(x, rows)
     if mask_fn is not None:
         mask_fn(x)
-    if any(r.banned for r in rows):
-        apply_bans(x, rows)
+    apply_bans(x, rows)
     row_max = x.max(dim=-1).values
     ok = torch.isfinite(row_max).tolist()  # NaN anywhere or every token masked -> unusable
     for i in range(S):
