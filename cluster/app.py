@@ -102,6 +102,9 @@ class AppSettings:
     # a request whose prompt continues blocks that a running prefill on its worker is computing
     # waits for them instead of computing them again (EngineConfig.join_inflight_prefill)
     join_inflight_prefill: bool = True
+    # within a priority class a worker admits the waiting tenant with the fewest tokens computed
+    # for it first (EngineConfig.fair_share, policies/fair_share.py); false: arrival order
+    fair_share: bool = True
     # a pulled request is queued while its KV arrives (admitted once it has landed; the router
     # prices a pull as max(wait, transfer)), the pulled KV and the local prefix it extends are held
     # for it until admitted, at most this long, and a pull with no room waits for room while
@@ -235,7 +238,8 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                           tenant_quotas=tenants.eviction_quotas(), thread_nice=s.engine_thread_nice,
                           low_priority_prefill_tokens=s.low_priority_prefill_tokens,
                           guarded_steps_alone=s.guarded_steps_alone, interrupt_for_guarded=s.interrupt_for_guarded,
-                          join_inflight_prefill=s.join_inflight_prefill, import_hold_s=s.import_hold_s,
+                          join_inflight_prefill=s.join_inflight_prefill, fair_share=s.fair_share,
+                          import_hold_s=s.import_hold_s,
                           cache_protect_s=s.cache_protect_s, cache_seed_s=s.cache_seed_s, approx=ApproxConfig(tenant_gates=tenants.quality_gates()))
     return PoolConfig(engine=engine, autoscale=s.autoscale(), shares=tuple(sorted(tenants.worker_shares().items())),
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,
@@ -683,6 +687,7 @@ class KvmeshIngress:
         pool = ControllerClient(app_name, pool_config(self.settings, self.tenants, app_name), tenants_data,
                                 self.settings.client_ttl_s)
         pool.on_tenants = self._new_tenants
+        self._opening = pool  # closed by __del__ should __init__ fail after this
         await pool.connect()
         return pool
 
@@ -700,7 +705,9 @@ class KvmeshIngress:
             self.pool.config = pool_config(self.settings, tenants, self.pool.app)
 
     async def __del__(self):  # Serve calls it when the replica stops: the last one stops the workers
-        await self.pool.close()
+        pool = getattr(self, "pool", None) or getattr(self, "_opening", None)  # (__init__ may have failed)
+        if pool is not None:
+            await pool.close()
 
     async def check_health(self):  # Serve's replica health check (reconnects to a new controller if it died)
         h = await self.pool.call("health")

@@ -10,7 +10,10 @@ output (``started``) and the end (``end``). Output-token progress rides on the h
 
 Lifetime: named ``kvmesh-controller:<app>`` in namespace ``kvmesh``, detached, created by the
 first replica (``get_if_exists``); later replicas attach and must bring the same pool
-configuration (else ``ConfigMismatch``); a replica bringing *new* tenants data (a redeploy with a
+configuration (else ``ConfigChanged``, which the replica retries for ``2 * client_ttl_s`` while
+the old replicas leave; a replica bringing another configuration to a controller none of whose
+replicas is attached, a deleted app's leftover, stops that controller and starts a fresh one with
+its own); a replica bringing *new* tenants data (a redeploy with a
 changed tenants file) updates the running app instead: keys, grants, limits, quotas, gates (see
 ``attach``), and the other replicas pick the new data up on their next heartbeat. Replicas send the configuration unresolved (``worker_num_gpus=None``,
 auto device/dtype); the controller resolves it once, when it is created, so a replica started
@@ -86,7 +89,13 @@ class ControllerClosing(RuntimeError):
 
 
 class ConfigMismatch(ValueError):
-    """A replica brought another configuration than the one the controller runs with."""
+    """A replica brought a configuration the controller cannot run with."""
+
+
+class ConfigChanged(ConfigMismatch):
+    """A replica brought another pool configuration while replicas of the running one are attached
+    (``ControllerClient.connect`` waits up to ``2 * client_ttl_s`` for them to leave: replicas being
+    stopped detach, vanished ones are reaped)."""
 
 
 @dataclass(frozen=True)
@@ -186,9 +195,16 @@ class Controller:
         diff = _diff(without_tenants(self.config), without_tenants(config))
         diff += ["client_ttl_s"] if client_ttl_s != self.client_ttl_s else []
         if diff:
-            raise ConfigMismatch(
+            if not self.clients and self._started:
+                # none of the app's replicas is attached (it was deleted, or its replicas stopped for a
+                # redeploy with new args): this controller is a leftover, not a running app to protect
+                self._stop(f"a replica brought another configuration ({', '.join(diff)} differ) and no "
+                           "replica of the old one is attached")
+                raise ControllerClosing(f"the controller of app {self.app!r} is stopping for a new configuration")
+            raise ConfigChanged(
                 f"the kvmesh controller of app {self.app!r} runs with another configuration ({', '.join(diff)} "
-                "differ); delete the app (serve delete / serve shutdown) and deploy it again")
+                f"differ) for {len(self.clients)} attached replica(s); delete the app (serve delete / serve "
+                "shutdown) and deploy it again")
         if tenants_data != self.tenants_data and tenants_digest(tenants_data) not in self._superseded:
             await self.update_tenants(tenants_data, config)
         self._touch(client_id)
@@ -567,6 +583,7 @@ class ControllerClient:
         """Attach to the app's controller, creating it if missing (retries while an old one stops)."""
         async with self._lock:
             deadline = time.monotonic() + timeout_s
+            changed_until = None  # waiting for the replicas of another configuration to leave, until
             while True:
                 handle = await asyncio.to_thread(get_or_create_controller, self.app, self.config, self.tenants_data,
                                                  self.client_ttl_s)
@@ -577,6 +594,11 @@ class ControllerClient:
                 except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
                     cause = _cause(e)
                     retry = isinstance(cause, (ControllerClosing, ray.exceptions.RayActorError))
+                    if isinstance(cause, ConfigChanged):  # the old replicas may be on their way out
+                        if changed_until is None:
+                            changed_until = time.monotonic() + 2 * self.client_ttl_s
+                            log.warning("%s; waiting up to %.0f s for them to leave", cause, 2 * self.client_ttl_s)
+                        retry = time.monotonic() < changed_until
                     if not retry or time.monotonic() > deadline:
                         raise cause from None
                     await asyncio.sleep(0.5)

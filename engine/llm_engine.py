@@ -76,6 +76,10 @@ class EngineConfig:
     # a waiting request whose next prompt block a running prefill is computing waits for that
     # prefill's blocks instead of computing them again (engine/scheduler.py, in-flight prefix join)
     join_inflight_prefill: bool = True
+    # within a priority class the waiting tenant with the fewest tokens computed for it is admitted
+    # first (virtual token counters, policies/fair_share.py); False: arrival order across tenants
+    fair_share: bool = True
+    fair_reserve_seqs: int = 4  # with fair_share: sequence slots no single tenant takes (<= max_num_seqs // 4)
     # a step of lower classes only is abandoned between layers when a guarded request above them
     # arrives, never two in a row (engine/step_interrupt.py)
     interrupt_for_guarded: bool = True
@@ -134,7 +138,8 @@ class LLMEngine:
             low_priority_prefill_tokens=config.low_priority_prefill_tokens,
             priority_hold_s=config.priority_hold_s, alternate_low_prefill=config.alternate_low_prefill,
             guarded_steps_alone=config.guarded_steps_alone,
-            join_inflight_prefill=config.join_inflight_prefill), self.kv)
+            join_inflight_prefill=config.join_inflight_prefill, fair_share=config.fair_share,
+            fair_reserve_seqs=config.fair_reserve_seqs), self.kv)
         self.scheduler.paused = self.holds.awaiting  # requests whose pull is landing wait
         self.runner = ModelRunner(self.loaded.model, self.cache, config.attention)
         self.eos_ids = self._eos_ids()

@@ -31,6 +31,16 @@ request arriving during a lower-class step then gets a step of its own next, ins
 it with another lower-class chunk, and the lower classes still progress every other step. With
 one priority class live nothing changes.
 
+Fair share among tenants of one priority class (``fair_share``, default on;
+``policies/fair_share.py``): the waiting requests of a class are admitted in virtual-token-counter
+order, the tenant with the fewest tokens computed for it first (each step charges every scheduled
+row's tokens to its tenant), not in arrival order, so a tenant that queued 200 requests does not
+put another tenant's next request behind all of them; and no tenant holds more than
+``max_num_seqs - min(fair_reserve_seqs, max_num_seqs // 4)`` running sequences (60 of 64 by
+default), so a light tenant finds a free slot while another fills the rest. Without the reserve
+a flood that took every slot made the others wait for its sequences to finish
+(``bench/fair_share.py``).
+
 A waiting request whose pulled KV is still arriving (``paused``, set by ``LLMEngine.expect_pull``)
 is passed over like a joining one, keeping its place, until its pull ends.
 
@@ -66,6 +76,7 @@ from typing import Callable, Container
 
 from engine.kv_manager import KVManager
 from engine.sequence import Sequence, SequenceStatus
+from policies.fair_share import FairShare
 from policies.prefill_priority import PriorityContention, request_class, throttled
 
 
@@ -83,15 +94,28 @@ class SchedulerConfig:
     guarded_steps_alone: bool = True
     # a waiting request whose next prompt block a running prefill is computing waits for it (see above)
     join_inflight_prefill: bool = True
+    # within a priority class, admit the waiting tenant with the fewest tokens computed for it
+    # first (policies.fair_share), and no tenant takes the last ``fair_reserve_seqs`` sequence
+    # slots (at most a quarter of max_num_seqs); False: arrival order, no reserve
+    fair_share: bool = True
+    fair_reserve_seqs: int = 4
 
     def __post_init__(self):
         if self.low_priority_prefill_tokens < 1:
             raise ValueError("low_priority_prefill_tokens must be >= 1")
         if self.priority_hold_s < 0:
             raise ValueError("priority_hold_s must be >= 0")
+        if self.fair_reserve_seqs < 0:
+            raise ValueError("fair_reserve_seqs must be >= 0")
 
     def prefill_cap(self) -> int:
         return self.long_prefill_tokens or max(1, self.max_num_batched_tokens // 2)
+
+    def tenant_seq_cap(self) -> int:
+        """Running sequences one tenant may hold: the rest of the slots stay for the others."""
+        if not self.fair_share:
+            return self.max_num_seqs
+        return self.max_num_seqs - min(self.fair_reserve_seqs, self.max_num_seqs // 4)
 
 
 class Scheduler:
@@ -100,6 +124,10 @@ class Scheduler:
         self.kv = kv
         self.clock = clock
         self.contention = PriorityContention(config.priority_hold_s)
+        self.fair = FairShare()
+        # tenant -> its added sequences not yet removed (fair_share: who has work here; n > 1
+        # choices forked from an added one count through it)
+        self._live: dict[str, set[Sequence]] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -115,6 +143,11 @@ class Scheduler:
         self._alone_last = False  # the last step was a guarded class's alone (guarded_steps_alone)
 
     def add(self, seq: Sequence) -> None:
+        if self.config.fair_share:
+            tenant = seq.request.tenant
+            if tenant not in self._live:
+                self.fair.join(tenant, self._live)
+            self._live.setdefault(tenant, set()).add(seq)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -143,6 +176,11 @@ class Scheduler:
             self.waiting.remove(seq)
         self._bypassed.pop(seq, None)
         self._joining.discard(seq)
+        live = self._live.get(seq.request.tenant)
+        if live is not None:
+            live.discard(seq)
+            if not live:
+                del self._live[seq.request.tenant]
         self.kv.release(seq)
 
     def priority(self, seq: Sequence) -> int:
@@ -216,9 +254,17 @@ class Scheduler:
         inflight = self._inflight_blocks(prio) if cfg.join_inflight_prefill else {}
         # what running lower-priority prefills left of their share goes to lower-priority admissions
         reserve = low_left if any(throttled(prio[id(s)], top) for s in self.waiting) else 0
-        for seq in sorted(self.waiting, key=lambda s: -prio[id(s)]):
+        seq_cap = cfg.tenant_seq_cap()
+        capped = seq_cap < cfg.max_num_seqs
+        held: dict[str, int] = {}  # running sequences per tenant (when capped)
+        if capped:
+            for s in self.running:
+                held[s.request.tenant] = held.get(s.request.tenant, 0) + 1
+        for seq in self._admission_order(prio):
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
                 break
+            if capped and held.get(seq.request.tenant, 0) >= seq_cap:
+                continue  # its tenant holds all but the reserved slots: not a bypass
             low_prio = throttled(prio[id(seq)], top)
             if low_prio and low_left <= 0:
                 continue  # the lower classes' share of this step is spent: not a bypass
@@ -249,6 +295,8 @@ class Scheduler:
             self.kv.grow(seq, seq.num_computed + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if capped:
+                held[seq.request.tenant] = held.get(seq.request.tenant, 0) + 1
             out.append((seq, n))
             scheduled.add(id(seq))
             budget -= n
@@ -258,6 +306,25 @@ class Scheduler:
                 self._add_inflight(seq, prio[id(seq)], inflight)
         self._low_ran = low_left < low_share
         self._no_room = set(passed)
+        if cfg.fair_share:
+            for seq, n in out:
+                self.fair.charge(seq.request.tenant, n)
+        return out
+
+    def _admission_order(self, prio: dict[int, int]) -> list[Sequence]:
+        """Waiting sequences by priority class, highest first; within a class by fair share
+        (``policies.fair_share``) or, without it, in arrival order."""
+        by_class = sorted(self.waiting, key=lambda s: -prio[id(s)])  # stable: arrival order within a class
+        if not self.config.fair_share or not by_class:
+            return by_class
+        out: list[Sequence] = []
+        i = 0
+        while i < len(by_class):
+            j = i
+            while j < len(by_class) and prio[id(by_class[j])] == prio[id(by_class[i])]:
+                j += 1
+            out.extend(self.fair.order(by_class[i:j], lambda s: s.request.tenant, lambda s: s.num_pending))
+            i = j
         return out
 
     def _add_inflight(self, seq: Sequence, priority: int, inflight: dict) -> None:

@@ -335,6 +335,34 @@ def test_a_controller_whose_pool_fails_to_start_exits(cluster):
     assert len(snapshot(cluster)["clients"]) == 2  # the other app is untouched
 
 
+def test_an_app_deployed_again_with_other_args_right_after_its_deletion_gets_a_fresh_controller(cluster):
+    """``serve delete`` then a deploy with changed args: the deleted app's controller lingers for
+    ``client_ttl_s`` (a redeploy's replica may come back), but a replica with another configuration
+    finding none attached stops it and starts a fresh one at once (it was a ConfigMismatch telling
+    the user to delete the app, for ``client_ttl_s``)."""
+    ray = cluster["ray"]
+    from cluster.controller import ControllerClient
+
+    cfg = _pool_config(cluster)
+    changed = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, max_num_seqs=8))
+
+    async def scenario():
+        old = ControllerClient("again", cfg, TENANTS, client_ttl_s=600.0)  # would linger 600 s
+        await old.connect(timeout_s=60)
+        await old.close()  # the app was deleted: its last replica detached
+        new = ControllerClient("again", changed, TENANTS, client_ttl_s=TTL_S)
+        await new.connect(timeout_s=60)
+        try:
+            assert new.handle._actor_id != old.handle._actor_id
+            assert (await new.handle.health.remote())["workers"] == 1
+        finally:
+            await new.close()
+
+    asyncio.run(scenario())
+    wait_until(lambda: _controller_gone(ray, "again"), "the fresh controller to stop after its last replica left")
+    assert len(snapshot(cluster)["clients"]) == 2  # the other app is untouched
+
+
 def test_deleting_the_app_stops_the_controller_and_its_workers(cluster):
     ray = cluster["ray"]
     from actors.router import ROUTER_NAMESPACE, router_name
