@@ -103,8 +103,10 @@ class AppSettings:
     # waits for them instead of computing them again (EngineConfig.join_inflight_prefill)
     join_inflight_prefill: bool = True
     # within a priority class a worker admits the waiting tenant with the fewest tokens computed
-    # for it first (EngineConfig.fair_share, policies/fair_share.py); false: arrival order
+    # for it first, and no tenant takes the last fair_reserve_seqs (<= max_num_seqs // 4) sequence
+    # slots (EngineConfig.fair_share, policies/fair_share.py); false: arrival order, no reserve
     fair_share: bool = True
+    fair_reserve_seqs: int = 4
     # a pulled request is queued while its KV arrives (admitted once it has landed; the router
     # prices a pull as max(wait, transfer)), the pulled KV and the local prefix it extends are held
     # for it until admitted, at most this long, and a pull with no room waits for room while
@@ -194,7 +196,8 @@ class AppSettings:
                 raise ValueError(f"router_placement: unknown PlacementConfig fields {sorted(unknown)}")
         if self.lend_workers not in LEND_MODES:
             raise ValueError(f"lend_workers must be one of {LEND_MODES}, got {self.lend_workers!r}")
-        for name, zero in (("lend_hit_tokens", "off"), ("router_max_candidates", "every worker")):
+        for name, zero in (("lend_hit_tokens", "off"), ("router_max_candidates", "every worker"),
+                           ("fair_reserve_seqs", "no reserve")):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0 (0: {zero}), got {v!r}")
@@ -239,7 +242,7 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                           low_priority_prefill_tokens=s.low_priority_prefill_tokens,
                           guarded_steps_alone=s.guarded_steps_alone, interrupt_for_guarded=s.interrupt_for_guarded,
                           join_inflight_prefill=s.join_inflight_prefill, fair_share=s.fair_share,
-                          import_hold_s=s.import_hold_s,
+                          fair_reserve_seqs=s.fair_reserve_seqs, import_hold_s=s.import_hold_s,
                           cache_protect_s=s.cache_protect_s, cache_seed_s=s.cache_seed_s, approx=ApproxConfig(tenant_gates=tenants.quality_gates()))
     return PoolConfig(engine=engine, autoscale=s.autoscale(), shares=tuple(sorted(tenants.worker_shares().items())),
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,

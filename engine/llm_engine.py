@@ -515,6 +515,8 @@ class LLMEngine:
         bs = self.config.block_size
         for seq in [s for s in self.scheduler.waiting if s.request.reuse == "approximate" and not s.approx_tried
                     and s.group.n == 1 and s.prompt_lp is None]:  # those run exactly
+            if self.scheduler.tenant_full(seq.request.tenant):
+                continue  # its tenant holds all but the reserved slots (fair_share): tried once it does not
             seq.approx_tried = True
             if seq.num_output or len(self.scheduler.running) >= self.config.max_num_seqs:
                 continue

@@ -168,6 +168,11 @@ class Scheduler:
             out[why] = out.get(why, 0) + 1
         return out
 
+    def tenant_full(self, tenant: str) -> bool:
+        """Whether ``tenant`` runs as many sequences as one tenant may (``tenant_seq_cap``)."""
+        cap = self.config.tenant_seq_cap()
+        return cap < self.config.max_num_seqs and sum(s.request.tenant == tenant for s in self.running) >= cap
+
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and release its blocks."""
         if seq in self.running:

@@ -202,3 +202,24 @@ def test_http_approximate_reuse_reports_approx_cached_tokens(tmp_path):
         assert r.status_code == 200 and r.json()["params"] == ["text"]
         assert complete(C, headers=globex, template="g").json()["kvmesh"]["approx_cached_tokens"] == 0  # reuse exact default
         assert c.post("/v1/templates", json={"id": "g", "template": T}).status_code == 401
+
+
+def test_remapped_admission_respects_the_tenants_sequence_cap(tiny_model):
+    """fair_share: a tenant runs at most max_num_seqs - reserve sequences (here 4 - 1), whichever
+    path admits them; a remapped request of a full tenant waits and is remapped once a slot frees."""
+    eng = engine(tiny_model, max_num_seqs=4)
+    run(eng, treq(eng, "a", A))  # the donor
+    for i in range(3):
+        eng.add_request(Request(f"x{i}", tuple(eng.encode(f"{i}{i}{i} exact request of acme")),
+                                SamplingParams(max_tokens=4 + 4 * i, temperature=0.0, ignore_eos=True),
+                                tenant="acme"))
+    eng.step()
+    assert len(eng.scheduler.running) == 3 and eng.scheduler.tenant_full("acme")
+    eng.add_request(treq(eng, "b", B))
+    outs = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs.setdefault(o.request_id, []).append(o)
+        assert sum(s.request.tenant == "acme" for s in eng.scheduler.running) <= 3
+    assert outs["b"][-1].num_approx_tokens > 0  # remapped once x0 had finished
+    assert_clean(eng)

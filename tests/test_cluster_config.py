@@ -94,6 +94,20 @@ def test_the_routers_short_list_is_an_app_argument_that_reaches_the_pool():
             AppSettings.from_args({"router_max_candidates": bad})
 
 
+def test_fair_share_is_an_app_argument_that_reaches_the_engines():
+    from cluster.app import AppSettings, pool_config
+    from policies.tenancy import Tenants
+
+    tenants = Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})
+    engine = pool_config(AppSettings.from_args({}), tenants).engine
+    assert engine.fair_share is True and engine.fair_reserve_seqs == 4
+    engine = pool_config(AppSettings.from_args({"fair_share": False, "fair_reserve_seqs": 0}), tenants).engine
+    assert engine.fair_share is False and engine.fair_reserve_seqs == 0
+    for bad in (-1, "4", True, 2.5):
+        with pytest.raises(ValueError, match="fair_reserve_seqs must be an integer >= 0"):
+            AppSettings.from_args({"fair_reserve_seqs": bad})
+
+
 def test_the_idle_spill_of_hot_groups_is_an_app_argument_that_reaches_the_router():
     from cluster.app import AppSettings, pool_config
     from policies.tenancy import Tenants
