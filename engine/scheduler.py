@@ -68,10 +68,10 @@ engine may also abandon a lower-class step in progress for a guarded arrival:
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
-
-import time
 from typing import Callable, Container
 
 from engine.kv_manager import KVManager
@@ -323,13 +323,8 @@ class Scheduler:
         if not self.config.fair_share or not by_class:
             return by_class
         out: list[Sequence] = []
-        i = 0
-        while i < len(by_class):
-            j = i
-            while j < len(by_class) and prio[id(by_class[j])] == prio[id(by_class[i])]:
-                j += 1
-            out.extend(self.fair.order(by_class[i:j], lambda s: s.request.tenant, lambda s: s.num_pending))
-            i = j
+        for _, group in itertools.groupby(by_class, key=lambda s: prio[id(s)]):
+            out.extend(self.fair.order(list(group), lambda s: s.request.tenant, lambda s: s.num_pending))
         return out
 
     def _add_inflight(self, seq: Sequence, priority: int, inflight: dict) -> None:
