@@ -101,9 +101,11 @@ def summarize(engines: dict[str, list[dict]], t0: float = float("-inf"), t1: flo
     one_row: list[float] = []
     one_row_cpu: list[float] = []
     wall_cpu = {"wall": 0.0, "cpu": 0.0}
+    preempted = {"all": 0, "room": 0}  # preemptions in the window (cumulative counters in the steps)
     spans = {e: _busy_spans(recs) for e, recs in engines.items()}
     for e, recs in engines.items():
         adds = {}
+        seen: dict[str, list[int]] = {}  # counter -> [first, last] value inside the window
         for r in recs:
             ev, t = r.get("ev"), r.get("t", 0.0)
             if ev == "add" and t0 <= t < t1:
@@ -119,6 +121,9 @@ def summarize(engines: dict[str, list[dict]], t0: float = float("-inf"), t1: flo
                 ttft.append(t - adds.pop(r["n"]))
             elif ev == "step" and t0 <= t < t1:
                 forward[e] = forward.get(e, 0.0) + r["dt"]
+                for k, name in (("preempted", "all"), ("room", "room")):
+                    if k in r:
+                        seen.setdefault(name, [r[k], r[k]])[1] = r[k]
                 if "cpu" in r:
                     wall_cpu["wall"] += r["dt"]
                     wall_cpu["cpu"] += r["cpu"]
@@ -134,6 +139,8 @@ def summarize(engines: dict[str, list[dict]], t0: float = float("-inf"), t1: flo
                         one_row.append(r["dt"])
                         if "cpu" in r:
                             one_row_cpu.append(r["cpu"])
+        for name, (first, last) in seen.items():
+            preempted[name] += last - first
     return {"requests": adds_total,
             "engine_ttft_s": {"p50": _pct(ttft, 0.5), "p90": _pct(ttft, 0.9)},
             "busy_at_add": busy / adds_total if adds_total else None,
@@ -147,7 +154,7 @@ def summarize(engines: dict[str, list[dict]], t0: float = float("-inf"), t1: flo
             "forward_s_per_request": sum(forward.values()) / adds_total if adds_total else None,
             "busy_share": ({e: forward.get(e, 0.0) / (t1 - t0) for e in engines}
                            if t1 - t0 < float("inf") and t1 > t0 else None),
-            "per_engine": per_engine}
+            "per_engine": per_engine, "preemptions": preempted}
 
 
 if __name__ == "__main__":

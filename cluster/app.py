@@ -107,6 +107,10 @@ class AppSettings:
     # slots (EngineConfig.fair_share, policies/fair_share.py); false: arrival order, no reserve
     fair_share: bool = True
     fair_reserve_seqs: int = 4
+    # with fair_share, a full KV pool is shared by tenant too (EngineConfig.fair_preempt): growth
+    # preempts the tenant running the most sequences first, and a tenant short of its share of a
+    # full pool preempts another's latest sequence; false: the most recently admitted goes
+    fair_preempt: bool = True
     # a pulled request is queued while its KV arrives (admitted once it has landed; the router
     # prices a pull as max(wait, transfer)), the pulled KV and the local prefix it extends are held
     # for it until admitted, at most this long, and a pull with no room waits for room while
@@ -242,7 +246,8 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                           low_priority_prefill_tokens=s.low_priority_prefill_tokens,
                           guarded_steps_alone=s.guarded_steps_alone, interrupt_for_guarded=s.interrupt_for_guarded,
                           join_inflight_prefill=s.join_inflight_prefill, fair_share=s.fair_share,
-                          fair_reserve_seqs=s.fair_reserve_seqs, import_hold_s=s.import_hold_s,
+                          fair_reserve_seqs=s.fair_reserve_seqs, fair_preempt=s.fair_preempt,
+                          import_hold_s=s.import_hold_s,
                           cache_protect_s=s.cache_protect_s, cache_seed_s=s.cache_seed_s, approx=ApproxConfig(tenant_gates=tenants.quality_gates()))
     return PoolConfig(engine=engine, autoscale=s.autoscale(), shares=tuple(sorted(tenants.worker_shares().items())),
                       worker_num_cpus=s.worker_num_cpus, worker_num_gpus=s.worker_num_gpus,

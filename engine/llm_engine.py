@@ -80,6 +80,9 @@ class EngineConfig:
     # first (virtual token counters, policies/fair_share.py); False: arrival order across tenants
     fair_share: bool = True
     fair_reserve_seqs: int = 4  # with fair_share: sequence slots no single tenant takes (<= max_num_seqs // 4)
+    # with fair_share: a full pool preempts the tenant running the most sequences first, and a
+    # tenant short of its share of a full pool may preempt (engine/scheduler.py, SchedulerConfig.fair_preempt)
+    fair_preempt: bool = True
     # a step of lower classes only is abandoned between layers when a guarded request above them
     # arrives, never two in a row (engine/step_interrupt.py)
     interrupt_for_guarded: bool = True
@@ -139,7 +142,7 @@ class LLMEngine:
             priority_hold_s=config.priority_hold_s, alternate_low_prefill=config.alternate_low_prefill,
             guarded_steps_alone=config.guarded_steps_alone,
             join_inflight_prefill=config.join_inflight_prefill, fair_share=config.fair_share,
-            fair_reserve_seqs=config.fair_reserve_seqs), self.kv)
+            fair_reserve_seqs=config.fair_reserve_seqs, fair_preempt=config.fair_preempt), self.kv)
         self.scheduler.paused = self.holds.awaiting  # requests whose pull is landing wait
         self.runner = ModelRunner(self.loaded.model, self.cache, config.attention)
         self.eos_ids = self._eos_ids()
@@ -411,7 +414,8 @@ class LLMEngine:
         for seq in self.scheduler.waiting:
             waiting[seq.request.tenant] = waiting.get(seq.request.tenant, 0) + 1
         rec = {"ev": "step", "t": round(wall0, 4), "dt": round(dt, 4), "cpu": round(cpu, 4), "tok": tok, "rows": rows,
-               "interrupted": interrupted, "waiting": waiting}
+               "interrupted": interrupted, "waiting": waiting,
+               "preempted": self.scheduler.num_preemptions, "room": self.scheduler.num_room_preemptions}
         if waiting:  # why the waiting ones were not admitted (Scheduler.held_back), and the pool's room
             rec["held"] = self.scheduler.held_back()
             rec["free_blocks"] = self.pool.num_free_blocks()
@@ -912,6 +916,7 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
+            "room_preemptions": self.scheduler.num_room_preemptions,  # of them, for a tenant short of its share
             "prefill_joins": self.scheduler.num_joined,
             "steps": self.num_steps, "interrupted_steps": self.num_interrupted_steps,
             "failed_requests": self.num_failed, "optional_failures": dict(self.optional_failures),

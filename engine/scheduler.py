@@ -3,9 +3,14 @@
 Each step has a token budget. Running sequences go first in arrival order (a decode costs one
 token, an unfinished prefill continues with a chunk); waiting sequences are admitted while the
 budget, the sequence limit and free blocks allow, taking their cached prefix from the pool.
-When blocks run out for a running sequence, the most recently admitted one is preempted: its
-blocks are freed and it is recomputed later (its full blocks usually stay cached, so the
-recompute is mostly prefix hits).
+When blocks run out for a running sequence, one is preempted: its blocks are freed and it is
+recomputed later (its full blocks usually stay cached, so the recompute is mostly prefix hits).
+Which one (``_KeepRank``): the lowest priority class first, then (``fair_preempt``) the tenant
+running the most sequences, then the one with the most tokens computed for it, then the most
+recently admitted (it has computed the least). Running sequences reserve their blocks in the
+opposite order, so a lower class never keeps blocks a higher one needs in the same step. Before
+session 42 the most recently admitted went whatever its class or tenant: a light tenant's only
+request, admitted last next to a flood, was the one preempted again and again.
 
 Fairness (no head-of-line blocking by one long prompt):
   * while requests wait, a running prefill's chunk is at most ``long_prefill_tokens`` (default
@@ -40,6 +45,12 @@ put another tenant's next request behind all of them; and no tenant holds more t
 default), so a light tenant finds a free slot while another fills the rest. Without the reserve
 a flood that took every slot made the others wait for its sequences to finish
 (``bench/fair_share.py``).
+
+A full pool is shared by tenant too (``fair_preempt``, default on with ``fair_share``): a waiting
+request that does not fit may preempt running sequences of a lower class, or of its class whose
+tenant runs at least two more sequences than its own (``_make_room``; never two tenants taking
+turns), but only when the victims' own blocks make room. Without it a light tenant whose prompt
+needs more blocks than are free waited until one of a flood's sequences ended.
 
 A waiting request whose pulled KV is still arriving (``paused``, set by ``LLMEngine.expect_pull``)
 is passed over like a joining one, keeping its place, until its pull ends.
@@ -99,6 +110,11 @@ class SchedulerConfig:
     # slots (at most a quarter of max_num_seqs); False: arrival order, no reserve
     fair_share: bool = True
     fair_reserve_seqs: int = 4
+    # with fair_share, a full pool is shared fairly too: growth preempts the tenant running the
+    # most sequences first, and a waiting tenant running two fewer than another may preempt that
+    # one's latest (_make_room); False: the most recently admitted of the lowest class, no
+    # preemption for room
+    fair_preempt: bool = True
 
     def __post_init__(self):
         if self.low_priority_prefill_tokens < 1:
@@ -132,6 +148,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_bypasses = 0  # admissions of a request past an earlier one that did not fit
+        self.num_room_preemptions = 0  # of num_preemptions: for a waiting request short of its share (_make_room)
         self.num_joined = 0  # requests that waited for a running prefill's blocks (join_inflight_prefill)
         self._joining: set[Sequence] = set()  # waiting sequences now waiting for a running prefill
         # request ids whose KV is still arriving (a pull, engine/import_holds.py): passed over
@@ -194,7 +211,6 @@ class Scheduler:
     def schedule(self) -> list[tuple[Sequence, int]]:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
-        out: list[tuple[Sequence, int]] = []
         scheduled: set[int] = set()
         cap = cfg.prefill_cap() if self.waiting else budget
         low = cfg.low_priority_prefill_tokens
@@ -240,19 +256,15 @@ class Scheduler:
                 n = min(seq.num_pending, max(1, budget - reserved), max(1, cap))
             plan[id(seq)] = n
             budget -= n
-        # reserve blocks in arrival order (preemption takes the most recently admitted)
-        i = 0
-        while i < len(self.running):
-            seq = self.running[i]
+        # reserve blocks, the sequences a full pool keeps first; a preemption takes the one it keeps last
+        rank = self._keep_rank(prio)
+        for seq in sorted((s for s in self.running if id(s) in plan), key=rank.key):
             n = plan.get(id(seq))
             if n is None:
-                i += 1
-                continue
-            if not self._reserve(seq, n, scheduled, plan):
-                continue  # seq itself was preempted; running[i] is now the next one
-            out.append((seq, n))
-            scheduled.add(id(seq))
-            i += 1
+                continue  # preempted for a sequence reserved before it
+            if self._reserve(seq, n, scheduled, plan, rank):
+                scheduled.add(id(seq))
+        out: list[tuple[Sequence, int]] = [(s, plan[id(s)]) for s in self.running if id(s) in scheduled]
         budget = cfg.max_num_batched_tokens - sum(n for _, n in out)  # preempted plans returned
 
         passed: list[Sequence] = []  # waiting sequences that did not fit this step
@@ -265,6 +277,7 @@ class Scheduler:
         if capped:
             for s in self.running:
                 held[s.request.tenant] = held.get(s.request.tenant, 0) + 1
+        admitted: set[int] = set()  # sequences admitted by this step (never preempted by it)
         for seq in self._admission_order(prio):
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
                 break
@@ -284,7 +297,9 @@ class Scheduler:
                 n = min(n, low_left)
             else:
                 n = min(n, max(1, budget - reserve))
-            if self.kv.blocks_needed(seq, len(hit) * self.kv.block_size + n, hit) > self.kv.pool.num_free_blocks():
+            upto = len(hit) * self.kv.block_size + n
+            if self.kv.blocks_needed(seq, upto, hit) > self.kv.pool.num_free_blocks() and not (
+                    cfg.fair_share and cfg.fair_preempt and self._make_room(seq, upto, hit, prio, out, scheduled, admitted)):
                 passed.append(seq)  # (also for held_back: no room)
                 if self._bypassed.get(seq, 0) >= cfg.max_bypass:
                     break  # passed over often enough: it goes next, nothing behind it goes first
@@ -296,10 +311,12 @@ class Scheduler:
             for p in passed:
                 self._bypassed[p] = self._bypassed.get(p, 0) + 1
                 self.num_bypasses += 1
+            budget = cfg.max_num_batched_tokens - sum(k for _, k in out)  # a preemption for room returns some
             self.kv.admit(seq, hit)
             self.kv.grow(seq, seq.num_computed + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            admitted.add(id(seq))
             if capped:
                 held[seq.request.tenant] = held.get(seq.request.tenant, 0) + 1
             out.append((seq, n))
@@ -358,17 +375,58 @@ class Scheduler:
                 return True
         return False
 
-    def _reserve(self, seq: Sequence, n: int, scheduled: set[int], plan: dict[int, int]) -> bool:
-        """Grow ``seq``'s blocks for ``n`` more tokens, preempting later sequences if needed
-        (a preempted sequence's planned tokens leave ``plan``; the caller returns them to the budget)."""
+    def _make_room(self, seq: Sequence, num_tokens: int, hit: list, prio: dict[int, int],
+                   out: list[tuple[Sequence, int]], scheduled: set[int], admitted: set[int]) -> bool:
+        """Fair share of the pool: preempt running sequences so that waiting ``seq`` fits, when its
+        tenant is short of it. Victims are running sequences of a lower priority class, or of its
+        class whose tenant runs at least two more sequences than ``seq``'s (so after the swap it
+        still runs at least as many: two tenants never take turns preempting each other), the
+        lowest class, the tenant running the most and the most recently admitted first (it has
+        computed the least). Nothing is preempted unless the victims' own blocks would make room.
+        Victims leave this step's ``out`` and wait again (their full blocks stay cached)."""
+        tenant, mine = seq.request.tenant, prio[id(seq)]
+        held: dict[str, int] = {}
+        for s in self.running:
+            held[s.request.tenant] = held.get(s.request.tenant, 0) + 1
+        pos = {id(s): i for i, s in enumerate(self.running)}
+        candidates = [s for s in self.running if id(s) not in admitted and prio[id(s)] <= mine]
+        need = self.kv.blocks_needed(seq, num_tokens, hit) - self.kv.pool.num_free_blocks()
+        victims: list[Sequence] = []
+        while need > 0:
+            ok = [s for s in candidates if prio[id(s)] < mine
+                  or held[s.request.tenant] >= held.get(tenant, 0) + 2]
+            if not ok:
+                return False
+            v = min(ok, key=lambda s: (prio[id(s)], -held[s.request.tenant],
+                                       -self.fair.counters.get(s.request.tenant, 0.0), -pos[id(s)]))
+            candidates.remove(v)
+            victims.append(v)
+            held[v.request.tenant] -= 1
+            need -= sum(1 for b in v.blocks if b.ref_cnt == 1)
+        for v in victims:
+            self._preempt(v)
+            self.num_room_preemptions += 1
+            if id(v) in scheduled:
+                scheduled.discard(id(v))
+                out[:] = [(s, n) for s, n in out if s is not v]
+        return self.kv.blocks_needed(seq, num_tokens, hit) <= self.kv.pool.num_free_blocks()
+
+    def _keep_rank(self, prio: dict[int, int]) -> "_KeepRank":
+        fair = self.config.fair_share and self.config.fair_preempt
+        return _KeepRank(self.running, prio, self.fair.counters if fair else None)
+
+    def _reserve(self, seq: Sequence, n: int, scheduled: set[int], plan: dict[int, int], rank: "_KeepRank") -> bool:
+        """Grow ``seq``'s blocks for ``n`` more tokens, preempting the running sequences not yet
+        reserved this step that a full pool keeps last (``_KeepRank``), ``seq`` itself included;
+        a preempted sequence's planned tokens leave ``plan`` (the caller returns them to the budget)."""
         target = seq.num_computed + n
         while self.kv.blocks_needed(seq, target) > self.kv.pool.num_free_blocks():
-            victim = self.running[-1]
+            victim = max((s for s in self.running if id(s) not in scheduled), key=rank.key)
+            rank.left(victim)
             self._preempt(victim)
+            plan.pop(id(victim), None)
             if victim is seq:
                 return False
-            plan.pop(id(victim), None)
-            assert id(victim) not in scheduled, "preempted a sequence already in this batch"
         self.kv.grow(seq, target)
         return True
 
@@ -379,3 +437,31 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+
+class _KeepRank:
+    """Which running sequences a full pool keeps: ``key`` sorts the kept-first first. A higher
+    priority class first; within a class (with fair share) the tenant running fewer sequences
+    first, so a tenant that holds most of the pool loses its own sequences before a light tenant
+    loses its only one (which, admitted last, arrival order would take first), and between
+    tenants running as many the one with fewer tokens computed for it (its fair-share counter);
+    then the earliest admitted (the running list's order: preempting the most recently admitted
+    keeps it cheap, it has computed the least). With one tenant of one class this is admission order."""
+
+    def __init__(self, running: list[Sequence], prio: dict[int, int], counters: dict | None):
+        self.pos = {id(s): i for i, s in enumerate(running)}
+        self.prio = prio
+        self.counters = counters or {}
+        self.held: dict[str, int] = {}
+        if counters is not None:
+            for s in running:
+                self.held[s.request.tenant] = self.held.get(s.request.tenant, 0) + 1
+
+    def key(self, seq: Sequence) -> tuple:
+        t = seq.request.tenant
+        return (-self.prio[id(seq)], self.held.get(t, 0), self.counters.get(t, 0.0), self.pos[id(seq)])
+
+    def left(self, seq: Sequence) -> None:
+        """``seq`` is preempted: its tenant runs one sequence fewer."""
+        if seq.request.tenant in self.held:
+            self.held[seq.request.tenant] -= 1

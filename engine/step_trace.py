@@ -6,7 +6,8 @@ engine appends JSON lines to ``<dir>/steps-<pid>.jsonl``: one per added request
 engine's requests, ``prompt`` is its length, ``running``/``waiting`` what the scheduler held
 before it), one per request's first token (``{"ev": "first", "t", "n", "cached", "prefill_s"}``:
 engine-side TTFT = its ``t`` minus the add's) and one per step (``{"ev": "step", "t", "dt", "tok":
-{tenant: tokens}, "rows": {tenant: rows}, "interrupted", "waiting": {tenant: count}}``; ``t`` is
+{tenant: tokens}, "rows": {tenant: rows}, "interrupted", "waiting": {tenant: count}, "preempted",
+"room"}``, the last two the engine's preemptions so far, all and those for room; ``t`` is
 wall-clock seconds at the start, ``dt`` the forward's seconds, ``cpu`` the engine thread's CPU
 seconds in it: ``dt`` minus what ``cpu`` explains is time the thread waited, for a CPU quota other
 processes share or for the GIL). Tenant names and counts only, never

@@ -508,8 +508,9 @@ def test_step_traces_tell_where_a_request_waited(tmp_path):
          {"ev": "step", "t": 10.0, "dt": 2.0, "tok": {"b": 512}, "rows": {"b": 1}},
          {"ev": "first", "t": 12.0, "n": 0},
          {"ev": "add", "t": 12.5, "n": 1, "running": 1, "waiting": 0},  # arrives while n=0 decodes
-         {"ev": "step", "t": 12.1, "dt": 0.5, "cpu": 0.15, "tok": {"b": 1}, "rows": {"b": 1}},
-         {"ev": "step", "t": 12.6, "dt": 2.4, "cpu": 0.9, "tok": {"b": 513}, "rows": {"b": 2}},
+         {"ev": "step", "t": 12.1, "dt": 0.5, "cpu": 0.15, "tok": {"b": 1}, "rows": {"b": 1}, "preempted": 2, "room": 0},
+         {"ev": "step", "t": 12.6, "dt": 2.4, "cpu": 0.9, "tok": {"b": 513}, "rows": {"b": 2}, "preempted": 5,
+          "room": 1},
          {"ev": "first", "t": 15.0, "n": 1},
          {"ev": "add", "t": 30.0, "n": 2, "running": 0, "waiting": 0}]  # outside the window
     b = [{"ev": "add", "t": 20.0, "n": 0, "running": 0, "waiting": 0},
@@ -519,6 +520,8 @@ def test_step_traces_tell_where_a_request_waited(tmp_path):
         (tmp_path / f"{name}.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\nnot json\n")
     s = steps.summarize(steps.read(sorted(tmp_path.glob("*.jsonl"))), 0.0, 25.0)
     assert s["requests"] == 3 and s["per_engine"] == {"w1-steps-1": 2, "w2-steps-2": 1}
+    # cumulative preemption counters (newer traces): their growth inside the window
+    assert s["preemptions"] == {"all": 3, "room": 1}
     assert s["engine_ttft_s"] == {"p50": 2.0, "p90": 2.5}
     assert s["busy_at_add"] == pytest.approx(1 / 3) and s["idle_elsewhere_at_add"] == pytest.approx(1 / 3)
     assert s["prefill_tok_s"] == pytest.approx((511 + 511 + 255) / 5.4)

@@ -100,9 +100,10 @@ def test_fair_share_is_an_app_argument_that_reaches_the_engines():
 
     tenants = Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})
     engine = pool_config(AppSettings.from_args({}), tenants).engine
-    assert engine.fair_share is True and engine.fair_reserve_seqs == 4
-    engine = pool_config(AppSettings.from_args({"fair_share": False, "fair_reserve_seqs": 0}), tenants).engine
-    assert engine.fair_share is False and engine.fair_reserve_seqs == 0
+    assert engine.fair_share is True and engine.fair_reserve_seqs == 4 and engine.fair_preempt is True
+    engine = pool_config(AppSettings.from_args({"fair_share": False, "fair_reserve_seqs": 0, "fair_preempt": False}),
+                         tenants).engine
+    assert engine.fair_share is False and engine.fair_reserve_seqs == 0 and engine.fair_preempt is False
     for bad in (-1, "4", True, 2.5):
         with pytest.raises(ValueError, match="fair_reserve_seqs must be an integer >= 0"):
             AppSettings.from_args({"fair_reserve_seqs": bad})

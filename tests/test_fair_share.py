@@ -151,3 +151,82 @@ def test_a_tenant_leaves_the_reserved_slots_to_the_others(tiny_model, fair):
     assert rest == (["a6", "a7", "a8", "a9"] if fair else ["a8", "a9", "b0"])
     eng.pool.check_invariants()
     assert eng.pool.num_in_use() == 0
+
+
+def record_preemptions(eng):
+    """Request ids of the sequences ``eng``'s scheduler preempts, in order."""
+    victims = []
+    preempt = eng.scheduler._preempt
+
+    def spy(seq):
+        victims.append(seq.request.request_id)
+        preempt(seq)
+
+    eng.scheduler._preempt = spy
+    return victims
+
+
+def small_pool(tiny_model, fair=True, quotas=None, num_blocks=10, preempt=True):
+    cfg = EngineConfig(model="tiny-llama", num_blocks=num_blocks, max_num_batched_tokens=256, max_num_seqs=8,
+                       tenant_quotas=quotas or {}, approx=None, fair_share=fair, fair_preempt=preempt)
+    return LLMEngine(cfg, tiny_model)
+
+
+@pytest.mark.parametrize("fair,preempt", [(True, True), (False, True), (True, False)])
+def test_a_full_pool_preempts_the_tenant_that_holds_most_of_it_not_the_light_tenants_only_request(tiny_model, fair,
+                                                                                                   preempt):
+    # three of a's sequences and one of b's grow past the pool (4 x 3 blocks > 10): someone waits
+    eng = small_pool(tiny_model, fair=fair, preempt=preempt)
+    fair = fair and preempt
+    victims = record_preemptions(eng)
+    order = first_outputs(eng, {0: [req(f"a{i}", "a", n=16, max_tokens=30, first=i * 17) for i in range(3)],
+                                1: [req("b0", "b", n=8, max_tokens=30, first=200)]})
+    assert sorted(order) == ["a0", "a1", "a2", "b0"]
+    assert victims  # the pool was too small for all four at once
+    # arrival order takes the most recently admitted: b's only request; fair share takes a's
+    assert ("b0" in victims) is (not fair)
+    eng.pool.check_invariants()
+    assert eng.pool.num_in_use() == 0
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_full_pool_preempts_a_lower_priority_class_first(tiny_model, fair):
+    eng = small_pool(tiny_model, fair=fair, quotas={"hi": TenantQuota(priority=1)})
+    victims = record_preemptions(eng)
+    first_outputs(eng, {0: [req("hi0", "hi", n=16, max_tokens=30, first=5)],
+                        1: [req(f"lo{i}", "lo", n=16, max_tokens=30, first=40 + i * 17) for i in range(3)]})
+    assert victims and "hi0" not in victims  # admitted first: arrival order would spare it too
+    eng2 = small_pool(tiny_model, fair=fair, quotas={"hi": TenantQuota(priority=1)})
+    victims = record_preemptions(eng2)
+    first_outputs(eng2, {0: [req(f"lo{i}", "lo", n=16, max_tokens=30, first=40 + i * 17) for i in range(3)],
+                         1: [req("hi0", "hi", n=16, max_tokens=30, first=5)]})
+    assert victims and "hi0" not in victims  # admitted last, still kept: lower classes go first
+    eng2.pool.check_invariants()
+    assert eng2.pool.num_in_use() == 0
+
+
+@pytest.mark.parametrize("fair,preempt", [(True, True), (False, True), (True, False)])
+def test_a_tenant_short_of_its_share_of_a_full_pool_preempts_the_tenant_holding_it(tiny_model, fair, preempt):
+    # a's two prompts of 88 tokens hold all 12 blocks; b's 40-token prompt needs 3
+    eng = small_pool(tiny_model, fair=fair, num_blocks=12, preempt=preempt)
+    fair = fair and preempt
+    victims = record_preemptions(eng)
+    order = first_outputs(eng, {0: [req(f"a{i}", "a", n=88, max_tokens=6, first=i * 17) for i in range(2)],
+                                1: [req("b0", "b", n=40, max_tokens=6, first=200)]})
+    if fair:
+        assert victims == ["a1"]  # a's most recently admitted, for b's request at the next step
+        assert eng.scheduler.num_room_preemptions == 1
+    else:
+        assert victims == [] and eng.scheduler.num_room_preemptions == 0  # b waited for a's to end
+    assert sorted(order) == ["a0", "a1", "b0"]
+    eng.pool.check_invariants()
+    assert eng.pool.num_in_use() == 0
+
+
+def test_no_preemption_for_room_when_the_holder_would_run_fewer_than_the_waiting_tenant(tiny_model):
+    # a runs one sequence holding the whole pool: taking it from a would only swap who waits
+    eng = small_pool(tiny_model, num_blocks=12)
+    victims = record_preemptions(eng)
+    order = first_outputs(eng, {0: [req("a0", "a", n=180, max_tokens=6)], 1: [req("b0", "b", n=40, max_tokens=6)]})
+    assert victims == [] and order == ["a0", "b0"]
+    eng.pool.check_invariants()

@@ -41,7 +41,8 @@ def test_trace_off_by_default_and_on_with_a_directory(tiny_model, tmp_path, monk
     assert [(r["n"], r["running"]) for r in adds] == [(0, 0), (1, 0), (2, 1)]
     # no token ids or request ids: only these fields, with tenant names and counts
     assert {k for r in lines for k in r} <= {"ev", "t", "tenant", "dt", "cpu", "tok", "rows", "interrupted", "waiting",
-                                              "n", "prompt", "running", "cached", "prefill_s"}
+                                              "n", "prompt", "running", "cached", "prefill_s", "preempted", "room"}
+    assert all(r["preempted"] == r["room"] == 0 for r in steps)  # preemptions so far: none in a 32-block pool
 
 
 def test_a_step_with_waiting_requests_says_why_they_wait(tiny_model, tmp_path, monkeypatch):
