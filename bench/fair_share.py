@@ -20,6 +20,14 @@ Reports per mode the victim's TTFT p50/p90/max alone and under the flood, the fl
 200 requests added at once, a victim request added before steps 3, 10 and 20, off and on
 alternating twice; it reports each victim's TTFT, the steps and the total time, and writes
 ``bench/results/fair_share_engine.json``. Loopback only; stops by itself.
+
+Where the KV pool rather than the sequence limit is full (session 42): ``--flip fair_preempt``
+turns that app argument off and on instead (with ``fair_share`` on), and ``--flood-prompt-words``
+/ ``--victim-prompt-words`` lengthen the prompts (filler words after a distinct head, so nothing
+is a prefix hit), e.g. with ``--kv-cache-bytes 67108864 --flood 12 --flood-prompt-words 150
+--flood-max-tokens 100 --victims 8 --victim-interval-s 4 --victim-prompt-words 120
+--victim-max-tokens 8`` (~11 min). The served mode also reports each victim stream's whole time,
+the engine mode each victim request's whole time and the engine's preemptions.
 """
 
 from __future__ import annotations
