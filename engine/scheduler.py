@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable, Container
 
@@ -273,10 +273,7 @@ class Scheduler:
         reserve = low_left if any(throttled(prio[id(s)], top) for s in self.waiting) else 0
         seq_cap = cfg.tenant_seq_cap()
         capped = seq_cap < cfg.max_num_seqs
-        held: dict[str, int] = {}  # running sequences per tenant (when capped)
-        if capped:
-            for s in self.running:
-                held[s.request.tenant] = held.get(s.request.tenant, 0) + 1
+        held = running_per_tenant(self.running) if capped else {}
         admitted: set[int] = set()  # sequences admitted by this step (never preempted by it)
         for seq in self._admission_order(prio):
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
@@ -385,9 +382,7 @@ class Scheduler:
         computed the least). Nothing is preempted unless the victims' own blocks would make room.
         Victims leave this step's ``out`` and wait again (their full blocks stay cached)."""
         tenant, mine = seq.request.tenant, prio[id(seq)]
-        held: dict[str, int] = {}
-        for s in self.running:
-            held[s.request.tenant] = held.get(s.request.tenant, 0) + 1
+        held = running_per_tenant(self.running)
         pos = {id(s): i for i, s in enumerate(self.running)}
         candidates = [s for s in self.running if id(s) not in admitted and prio[id(s)] <= mine]
         need = self.kv.blocks_needed(seq, num_tokens, hit) - self.kv.pool.num_free_blocks()
@@ -439,6 +434,10 @@ class Scheduler:
         self.num_preemptions += 1
 
 
+def running_per_tenant(running: list[Sequence]) -> Counter:
+    return Counter(s.request.tenant for s in running)
+
+
 class _KeepRank:
     """Which running sequences a full pool keeps: ``key`` sorts the kept-first first. A higher
     priority class first; within a class (with fair share) the tenant running fewer sequences
@@ -452,10 +451,7 @@ class _KeepRank:
         self.pos = {id(s): i for i, s in enumerate(running)}
         self.prio = prio
         self.counters = counters or {}
-        self.held: dict[str, int] = {}
-        if counters is not None:
-            for s in running:
-                self.held[s.request.tenant] = self.held.get(s.request.tenant, 0) + 1
+        self.held = running_per_tenant(running) if counters is not None else {}
 
     def key(self, seq: Sequence) -> tuple:
         t = seq.request.tenant
