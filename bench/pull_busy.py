@@ -22,12 +22,10 @@ Writes bench/results/pull_busy.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -35,6 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT))
+from bench import tree_arms  # noqa: E402
 
 
 def measure(args) -> dict:
@@ -105,8 +105,7 @@ def measure(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--before", help="code tree of the 'before' arm (e.g. a git worktree of an older commit)")
-    ap.add_argument("--after", default=str(ROOT), help="code tree of the 'after' arm (default: this one)")
+    tree_arms.add_arguments(ap)
     ap.add_argument("--model", default="default")
     ap.add_argument("--kv-mb", type=int, default=256)
     ap.add_argument("--prefix-len", type=int, default=512)
@@ -117,30 +116,15 @@ def main() -> None:
     ap.add_argument("--busy-tokens", type=int, default=24)
     ap.add_argument("--settle-s", type=float, default=3.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--arm", help=argparse.SUPPRESS)  # internal: measure the tree on sys.path, print JSON
     ap.add_argument("--out", default=str(RESULTS / "pull_busy.json"))
     args = ap.parse_args()
-    if args.arm:  # the tree under test (cwd) first; never bench/ itself (its engine.py is not the package)
-        here = Path(__file__).resolve().parent
-        sys.path[:] = [os.getcwd()] + [p for p in sys.path if Path(p or ".").resolve() != here]
-        print("RESULT " + json.dumps(measure(args)), flush=True)
+    if args.arm:
+        tree_arms.enter_arm()
+        tree_arms.print_result(measure(args))
         return
-    arms = {"before": args.before, "after": args.after} if args.before else {"after": args.after}
     out = {"bench": "pull_busy", "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-           "args": {k: v for k, v in vars(args).items() if k != "arm"}, "arms": {}}
-    for name, tree in arms.items():
-        print(f"arm {name}: {tree}", flush=True)
-        env = {**os.environ, "PYTHONPATH": tree, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--arm", name],
-                              cwd=tree, env=env, capture_output=True, text=True, timeout=900)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        for ln in proc.stdout.splitlines():
-            if not ln.startswith("RESULT "):
-                print(ln)
-        if proc.returncode or not lines:
-            print(proc.stderr[-3000:])
-            raise SystemExit(f"arm {name} failed (rc {proc.returncode})")
-        out["arms"][name] = json.loads(lines[-1][len("RESULT "):])
+           "args": {k: v for k, v in vars(args).items() if k != "arm"},
+           "arms": tree_arms.run_arms(__file__, args, env={"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})}
     for name, r in out["arms"].items():
         print(f"{name:>7}: pull TTFT median {r['pull_ttft_median_s']:.2f} s, recompute {r['recompute_ttft_median_s']:.2f} s, "
               f"{r['pulls_landed_whole']}/{len(r['pull_ttft_s'])} pulls whole, holder served {r['busy_requests_served']}")
@@ -149,9 +133,7 @@ def main() -> None:
         out["pull_ttft_before_over_after"] = b["pull_ttft_median_s"] / a["pull_ttft_median_s"]
         print(f"pull TTFT before / after (medians): {out['pull_ttft_before_over_after']:.2f}x "
               f"on {os.cpu_count()} cores ({platform.machine()})")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
-    print(f"wrote {args.out}")
+    tree_arms.write(out, args.out)
 
 
 if __name__ == "__main__":

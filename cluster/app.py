@@ -111,6 +111,12 @@ class AppSettings:
     # preempts the tenant running the most sequences first, and a tenant short of its share of a
     # full pool preempts another's latest sequence; false: the most recently admitted goes
     fair_preempt: bool = True
+    # structured output: a response_format JSON schema longer than this is a 400 (compiling grows
+    # faster than the schema); compiled grammars a worker keeps, in bytes (engine/grammar.py)
+    max_schema_chars: int = 128 * 1024
+    grammar_cache_bytes: int = 256 << 20
+    # CPU-seconds one schema may take to compile (a child process per worker; past it a 400)
+    grammar_compile_cpu_s: float = 10.0
     # a pulled request is queued while its KV arrives (admitted once it has landed; the router
     # prices a pull as max(wait, transfer)), the pulled KV and the local prefix it extends are held
     # for it until admitted, at most this long, and a pull with no room waits for room while
@@ -186,6 +192,13 @@ class AppSettings:
             raise ValueError("low_priority_prefill_tokens must be >= 1")
         if self.cache_protect_s < 0 or self.cache_seed_s < 0:
             raise ValueError("cache_protect_s and cache_seed_s must be >= 0 (0: plain LRU)")
+        for name in ("max_schema_chars", "grammar_cache_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        v = self.grammar_compile_cpu_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+            raise ValueError(f"grammar_compile_cpu_s must be a number >= 0 (0: compile in the worker, unbounded), got {v!r}")
         if self.import_hold_s < 0:
             raise ValueError("import_hold_s must be >= 0 (0: pulled KV is not held)")
         if self.router_prefix_fill is not None and not 0 < self.router_prefix_fill <= 1:
@@ -247,6 +260,8 @@ def pool_config(s: AppSettings, tenants: Tenants, app: str = "") -> PoolConfig:
                           guarded_steps_alone=s.guarded_steps_alone, interrupt_for_guarded=s.interrupt_for_guarded,
                           join_inflight_prefill=s.join_inflight_prefill, fair_share=s.fair_share,
                           fair_reserve_seqs=s.fair_reserve_seqs, fair_preempt=s.fair_preempt,
+                          max_schema_chars=s.max_schema_chars, grammar_cache_bytes=s.grammar_cache_bytes,
+                          grammar_compile_cpu_s=s.grammar_compile_cpu_s,
                           import_hold_s=s.import_hold_s,
                           cache_protect_s=s.cache_protect_s, cache_seed_s=s.cache_seed_s, approx=ApproxConfig(tenant_gates=tenants.quality_gates()))
     return PoolConfig(engine=engine, autoscale=s.autoscale(), shares=tuple(sorted(tenants.worker_shares().items())),
@@ -637,7 +652,8 @@ def _as_api_error(e: BaseException) -> ApiError:
         return e
     if isinstance(e, InvalidRequest):
         msg = str(e).splitlines()[-1] if str(e) else "invalid request"
-        return ApiError(400, msg.split("InvalidRequest: ")[-1])
+        # a Ray-wrapped one keeps the engine's exception (and its ``param``) as ``cause``
+        return ApiError(400, msg.split("InvalidRequest: ")[-1], param=getattr(getattr(e, "cause", None) or e, "param", None))
     retry = {"Retry-After": "1"}  # a 503 here is transient: a worker or the controller is being replaced
     if isinstance(e, (EngineStepFailed, EngineDead)):
         return ApiError(503, f"the worker's engine failed; retry the request ({_last_line(e)[:200]})",
@@ -976,7 +992,7 @@ class KvmeshIngress:
             check_sampling_limits(params)
             return params
         except InvalidRequest as e:
-            raise ApiError(400, redact(str(e), 300)) from None
+            raise ApiError(400, redact(str(e), 300), param=e.param) from None
 
     async def _build(self, tenant: TenantConfig, body, chat: bool) -> tuple[str, list[Request], Assembler]:
         """(response id, one engine Request per prompt, the Assembler that formats their outputs)."""

@@ -2,7 +2,9 @@
 
 Torch work releases the GIL, so one engine thread keeps an event loop (a Ray actor's or a
 web server's) responsive. All engine calls happen on the engine thread; callers only post
-commands and read per-request queues, so the engine needs no locks.
+commands and read per-request queues, so the engine needs no locks. The one exception is the
+grammar cache (thread-safe): a request's ``response_format`` grammar compiles on a thread of its
+own before the request is queued, so a slow compile never holds up other requests' steps.
 
 Failures: a request that fails alone inside a step gets its last output with ``error`` set
 (``LLMEngine._fail``); the loop goes on. A step that raises without naming a request fails every
@@ -21,8 +23,10 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
+from engine.grammar_compile import lower_priority
 from engine.llm_engine import EngineBroken, EngineConfig, LLMEngine
 from engine.model_loader import LoadedModel
 from engine.redact import describe_exc
@@ -64,6 +68,10 @@ class AsyncEngine:
         self.step_failures = 0  # unattributed step failures survived (all in-flight requests ended)
         self._thread = threading.Thread(target=self._loop, name="kvmesh-engine", daemon=True)
         self._thread.start()
+        # response_format grammars compile here, one at a time, never on the engine thread: a big
+        # schema takes seconds (engine/grammar.py) that every other request would otherwise wait
+        self._grammar_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmesh-grammar",
+                                                initializer=lower_priority)  # the engine's steps first
 
     @property
     def alive(self) -> bool:
@@ -210,6 +218,11 @@ class AsyncEngine:
         """Stream outputs of one request; closing the iterator early aborts it (frees blocks)."""
         if self._error is not None:
             raise EngineDead(f"engine loop died: {self._error!r}")
+        spec = request.params.grammar
+        compiled = None
+        if spec is not None:  # InvalidRequest here: nothing was queued
+            compiled = await asyncio.get_running_loop().run_in_executor(
+                self._grammar_pool, self.engine.grammars.compile, spec)
         arrival = time.perf_counter()  # the engine thread takes it between steps: that wait is queueing
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = (asyncio.get_running_loop(), q)
@@ -224,6 +237,8 @@ class AsyncEngine:
 
             def add(engine: LLMEngine):
                 try:
+                    if compiled is not None:  # kept again if evicted meanwhile: no compile on this thread
+                        engine.grammars.keep(spec, compiled)
                     engine.add_request(request, arrival)
                 finally:
                     if guarded is not None:
@@ -267,4 +282,6 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         self._stop = True
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         self._thread.join(timeout=5)
+        self.engine.grammars.close()

@@ -7,12 +7,23 @@ byte vocabulary (id 3 + b = byte b; pad/bos and ids past 258 are special, eos st
 
 Invariants: a matcher only ever accepts the tokens its mask allowed; a choice whose matcher has
 terminated is finished (``stop``); a spec xgrammar cannot compile raises InvalidRequest.
+
+Cost bounds (a schema is client input). Compiling is not bounded by the schema's size: with the
+default model's 49k vocabulary an enum of 5,000 values took 0.11 CPU-s and 0.9 MB of token
+masks, one of 20,000 4.6 s and 100 MB, and 2,000 optional string properties (98 KB) 204 s. So:
+a schema longer than ``max_schema_chars`` is refused before compiling; a schema is compiled here
+only once a child process compiled it within ``compile_cpu_s`` CPU-seconds (the kernel ends the
+child past them: engine/grammar_compile.py; 0 compiles here at once, unbounded); compiled grammars are kept within ``max_bytes`` (their
+``memory_size_bytes``) and ``max_entries``, and one larger than ``max_bytes`` alone is refused.
+The async engine waits for a compile on a thread of its own, so a compile never holds up the
+engine's steps for other requests; the cache is safe to use from both threads.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 
 import torch
@@ -42,48 +53,129 @@ def _tokenizer_info(tokenizer, vocab_size: int, eos_ids: set[int]):
         raise InvalidRequest(f"structured output is not supported for this model's tokenizer: {e}") from None
 
 
+MAX_SCHEMA_CHARS = 128 * 1024  # OpenAI bounds schemas too (properties, enum values, name lengths)
+MAX_GRAMMAR_BYTES = 256 << 20  # compiled grammars kept per engine (their token masks)
+COMPILE_CPU_S = 10.0  # CPU-seconds one schema may take to compile (engine/grammar_compile.py)
+
+
 class GrammarCache:
-    """Compiles grammar specs for one model (LRU of ``max_entries``) and makes matchers."""
+    """Compiles grammar specs for one model (LRU of ``max_entries`` and ``max_bytes``) and makes
+    matchers. Thread-safe: compiles run outside the lock."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int], max_entries: int = 64):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int], max_entries: int = 64,
+                 max_bytes: int = MAX_GRAMMAR_BYTES, max_schema_chars: int = MAX_SCHEMA_CHARS,
+                 compile_cpu_s: float = COMPILE_CPU_S):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, eos_ids
-        self.max_entries = max_entries
+        self.max_entries, self.max_bytes, self.max_schema_chars = max_entries, max_bytes, max_schema_chars
+        self.compile_cpu_s = compile_cpu_s  # > 0: compiles run in a child process with this CPU budget
+        self._info = None
         self._compiler = None
-        self._compiled: OrderedDict[GrammarSpec, object] = OrderedDict()
-        self.stats = {"compiled": 0, "hits": 0}
+        self._child = None
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict[GrammarSpec, tuple[object, int]] = OrderedDict()  # spec -> (grammar, bytes)
+        self.bytes = 0
+        self.stats = {"compiled": 0, "hits": 0, "refused": 0}
 
-    def _get_compiler(self):
-        if self._compiler is None:
-            import xgrammar as xgr
+    def _get_info(self):
+        with self._lock:
+            if self._info is None:
+                self._info = _tokenizer_info(self.tokenizer, self.vocab_size, self.eos_ids)
+            return self._info
 
-            info = _tokenizer_info(self.tokenizer, self.vocab_size, self.eos_ids)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return self._compiler
+    def _compile_here(self, schema: str):
+        """Compile in this process, unbounded: ("ok", grammar) or ("error", message)."""
+        import xgrammar as xgr
 
-    def compile(self, spec: GrammarSpec):
-        """The compiled grammar of ``spec`` (cached); InvalidRequest if it cannot compile."""
-        hit = self._compiled.get(spec)
-        if hit is not None:
+        info = self._get_info()
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            compiler = self._compiler
+        try:
+            # compact JSON (no free whitespace): a small model cannot loop on blanks
+            return "ok", compiler.compile_json_schema(schema, any_whitespace=False)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the reason
+            return "error", str(e).strip() or repr(e)
+
+    def _compile_checked(self, schema: str):
+        """Compile here once a child process compiled ``schema`` within ``compile_cpu_s``:
+        ("ok", grammar), ("error", message) or ("too_big", bytes); InvalidRequest past the budget."""
+        from engine.grammar_compile import CompileProcess
+
+        info = self._get_info()  # outside the lock (it takes it)
+        with self._lock:
+            if self._child is None:
+                self._child = CompileProcess(info.serialize_json(), self.compile_cpu_s)
+            child = self._child
+        kind, val = child.compile(schema, self.max_bytes)
+        return self._compile_here(schema) if kind == "ok" else (kind, val)
+
+    def close(self) -> None:
+        """End the compile child, if one runs."""
+        with self._lock:
+            child, self._child = self._child, None
+        if child is not None:
+            child.close()
+
+    def cached(self, spec: GrammarSpec):
+        """The compiled grammar of ``spec`` if kept (now the most recently used), else None."""
+        with self._lock:
+            hit = self._compiled.get(spec)
+            if hit is None:
+                return None
             self._compiled.move_to_end(spec)
             self.stats["hits"] += 1
+            return hit[0]
+
+    def keep(self, spec: GrammarSpec, compiled) -> None:
+        """Keep ``compiled`` as ``spec``'s grammar (most recently used), evicting the least recently
+        used ones past ``max_entries`` / ``max_bytes`` (never the one just kept)."""
+        size = int(getattr(compiled, "memory_size_bytes", 0) or 0)
+        with self._lock:
+            old = self._compiled.pop(spec, None)
+            if old is not None:
+                self.bytes -= old[1]
+            self._compiled[spec] = (compiled, size)
+            self.bytes += size
+            while len(self._compiled) > 1 and (len(self._compiled) > self.max_entries or self.bytes > self.max_bytes):
+                _, (_, b) = self._compiled.popitem(last=False)
+                self.bytes -= b
+
+    def _refuse(self, msg: str):
+        with self._lock:
+            self.stats["refused"] += 1
+        return InvalidRequest(msg, param="response_format")
+
+    def compile(self, spec: GrammarSpec):
+        """The compiled grammar of ``spec`` (cached); InvalidRequest if it cannot compile or is
+        past the cost bounds."""
+        hit = self.cached(spec)
+        if hit is not None:
             return hit
-        compiler = self._get_compiler()
         schema = JSON_OBJECT_SCHEMA if spec.kind == "json_object" else spec.schema
+        if len(schema) > self.max_schema_chars:
+            raise self._refuse(f"the JSON schema has {len(schema)} characters; this server compiles schemas of "
+                               f"at most {self.max_schema_chars}")
         try:
             json.loads(schema)
         except ValueError as e:
-            raise InvalidRequest(f"the JSON schema is not valid JSON: {e}") from None
+            raise self._refuse(f"the JSON schema is not valid JSON: {e}") from None
         try:
-            # compact JSON (no free whitespace): a small model cannot loop on blanks
-            compiled = compiler.compile_json_schema(schema, any_whitespace=False)
-        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the reason
-            msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
-            msg = _SOURCE_PREFIX.sub("", msg)  # xgrammar's "[hh:mm:ss] /its/source.cc:123: " prefix
-            raise InvalidRequest(f"the JSON schema cannot be compiled: {msg}") from None
-        self._compiled[spec] = compiled
-        self.stats["compiled"] += 1
-        while len(self._compiled) > self.max_entries:
-            self._compiled.popitem(last=False)
+            kind, compiled = self._compile_checked(schema) if self.compile_cpu_s > 0 else self._compile_here(schema)
+        except InvalidRequest:
+            with self._lock:
+                self.stats["refused"] += 1
+            raise
+        if kind == "error":
+            msg = _SOURCE_PREFIX.sub("", compiled.splitlines()[-1])  # xgrammar's "[hh:mm:ss] /src.cc:123: "
+            raise self._refuse(f"the JSON schema cannot be compiled: {msg}")
+        size = compiled if kind == "too_big" else int(getattr(compiled, "memory_size_bytes", 0) or 0)
+        if size > self.max_bytes:
+            raise self._refuse(f"the JSON schema compiles to {size >> 20} MiB of token masks; this server keeps "
+                               f"at most {self.max_bytes >> 20} MiB of them")
+        with self._lock:
+            self.stats["compiled"] += 1
+        self.keep(spec, compiled)
         return compiled
 
     def matcher(self, spec: GrammarSpec):

@@ -19,7 +19,7 @@ from engine.kv_cache import KVBlocks, PagedKVCache, token_slots
 from engine.kv_manager import KVManager
 from engine.model_loader import LoadedModel, load_model
 from engine.fork import fork
-from engine.grammar import GrammarCache
+from engine.grammar import COMPILE_CPU_S, MAX_GRAMMAR_BYTES, MAX_SCHEMA_CHARS, GrammarCache
 from engine.logprobs import reduce_prompt_logprobs
 from engine.model_runner import ModelRunner, build_batch
 from engine.sampler import SampleResult, SampleRow, sample, sample_isolated
@@ -83,6 +83,12 @@ class EngineConfig:
     # with fair_share: a full pool preempts the tenant running the most sequences first, and a
     # tenant short of its share of a full pool may preempt (engine/scheduler.py, SchedulerConfig.fair_preempt)
     fair_preempt: bool = True
+    # structured output (engine/grammar.py): a response_format schema longer than this is refused;
+    # compiled grammars kept per engine, in bytes of token masks (one larger alone is refused)
+    max_schema_chars: int = MAX_SCHEMA_CHARS
+    grammar_cache_bytes: int = MAX_GRAMMAR_BYTES
+    # CPU-seconds one schema may take to compile, in a child process (0: in this process, unbounded)
+    grammar_compile_cpu_s: float = COMPILE_CPU_S
     # a step of lower classes only is abandoned between layers when a guarded request above them
     # arrives, never two in a row (engine/step_interrupt.py)
     interrupt_for_guarded: bool = True
@@ -162,7 +168,9 @@ class LLMEngine:
         self.num_forward_tokens = 0  # tokens run through the model (prefill chunks + decodes)
         self.sample_s = 0.0  # time in the batched sampler (masks, logprobs, appends) over all steps
         self.vocab_size = mcfg.vocab_size
-        self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_ids)
+        self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_ids, max_bytes=config.grammar_cache_bytes,
+                                     max_schema_chars=config.max_schema_chars,
+                                     compile_cpu_s=config.grammar_compile_cpu_s)
         self._shadow_jobs: deque[ShadowJob] = deque()  # quality-gate checks of finished requests
         self._failed_steps = 0  # consecutive steps in which every request failed
         self.num_failed = 0
@@ -192,11 +200,11 @@ class LLMEngine:
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})")
         if n >= self.max_model_len:
             raise InvalidRequest(
-                f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens")
+                f"the prompt has {n} tokens; this model's context is {self.max_model_len} tokens", param="prompt")
         if n + request.params.max_tokens > self.max_model_len:
             raise InvalidRequest(
                 f"prompt ({n} tokens) + max_tokens ({request.params.max_tokens}) exceeds the context of "
-                f"{self.max_model_len} tokens")
+                f"{self.max_model_len} tokens", param="max_tokens")
         check_sampling_limits(request.params)
         bs = self.config.block_size
         need, cap = -(-(n + request.params.max_tokens) // bs), self.pool.capacity(request.tenant)
@@ -204,7 +212,7 @@ class LLMEngine:
             raise InvalidRequest(
                 f"prompt ({n} tokens) + max_tokens ({request.params.max_tokens}) needs {need} KV blocks; tenant "
                 f"{request.tenant!r} may hold at most {cap} of this worker's {self.pool.num_blocks} (the rest is "
-                f"other tenants' guaranteed minimum): at most {cap * bs} tokens in all")
+                f"other tenants' guaranteed minimum): at most {cap * bs} tokens in all", param="max_tokens")
         if request.reuse not in REUSE_MODES:
             raise InvalidRequest(f"reuse must be one of {REUSE_MODES}, got {request.reuse!r}")
         check_approx_fields(request)
@@ -212,7 +220,8 @@ class LLMEngine:
         bad = [t for t, _ in p.logit_bias if t >= vocab] + [t for t in p.stop_token_ids if t >= vocab]
         if bad:
             raise InvalidRequest(f"token ids {sorted(set(bad))[:8]} in logit_bias/stop_token_ids are outside the "
-                                 f"vocabulary [0, {vocab})")
+                                 f"vocabulary [0, {vocab})",
+                                 param="logit_bias" if any(t >= vocab for t, _ in p.logit_bias) else "stop_token_ids")
         if p.grammar is not None:
             self.grammars.compile(p.grammar)  # InvalidRequest if it cannot compile; cached
 
@@ -945,7 +954,7 @@ def check_sampling_limits(params) -> None:
     seed = params.seed
     n = max(1, int(getattr(params, "n", 1) or 1))  # choice i of n seeds its generator with seed + i
     if seed is not None and not (isinstance(seed, int) and SEED_MIN <= seed and seed + n - 1 < SEED_RANGE):
-        raise InvalidRequest(f"seed must be an integer in [-2**63, 2**64 - n), got {str(seed)[:40]}")
+        raise InvalidRequest(f"seed must be an integer in [-2**63, 2**64 - n), got {str(seed)[:40]}", param="seed")
 
 
 def check_approx_fields(request: Request) -> None:

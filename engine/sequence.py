@@ -14,7 +14,15 @@ from policies.tenancy import REUSE_MODES  # noqa: F401 - one definition, re-expo
 
 
 class InvalidRequest(ValueError):
-    """The request cannot be served as given; the message says why. Nothing was allocated."""
+    """The request cannot be served as given; the message says why, ``param`` (if known) names the
+    HTTP field at fault. Nothing was allocated."""
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self):  # keep ``param`` across Ray (pickled by args otherwise)
+        return type(self), (str(self), self.param)
 
 
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is greedy (as vLLM): no overflow, no NaN

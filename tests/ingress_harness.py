@@ -92,7 +92,8 @@ def make_ingress(tiny_model, monkeypatch, tenants_data=TENANTS, num_blocks=64, *
     s = AppSettings(model=TINY, **settings)
     tenants = Tenants.from_dict(tenants_data)
     cfg = dataclasses.replace(pool_config(s, tenants), engine=EngineConfig(
-        model=TINY, num_blocks=num_blocks, tenant_quotas=tenants.eviction_quotas()))
+        model=TINY, num_blocks=num_blocks, tenant_quotas=tenants.eviction_quotas(),
+        grammar_compile_cpu_s=s.grammar_compile_cpu_s, max_schema_chars=s.max_schema_chars))
     engine = AsyncEngine(cfg.engine, loaded=tiny_model)
     controller = Controller("local", cfg, tenants_data)
     class LocalIngress(KvmeshIngress.func_or_class):

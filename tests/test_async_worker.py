@@ -130,3 +130,48 @@ def test_worker_actor_streams_and_cancel_frees_blocks():
         assert s["free_blocks"] == s["num_blocks"] and s["running"] == 0
     finally:
         ray.shutdown()
+
+
+async def test_a_slow_grammar_compile_does_not_hold_up_other_requests(tiny_model):
+    """The compile runs off the engine thread: another request's tokens keep coming while it
+    runs (before: the compile ran on the engine thread, between two steps, and no step ran)."""
+    import json
+
+    from engine.sequence import GrammarSpec
+    from tests.test_grammar import _slow_schema
+
+    eng = AsyncEngine(EngineConfig(model="tiny-llama", num_blocks=128, grammar_compile_cpu_s=1), loaded=tiny_model)
+    seen = []
+    cache = eng.engine.grammars
+    real = cache._compile_checked
+
+    def timed(schema):
+        start = len(seen)
+        try:
+            return real(schema)
+        finally:
+            window.append(len(seen) - start)
+
+    window: list[int] = []
+    cache._compile_checked = timed
+    try:
+        async def other():
+            async for out in eng.generate(Request("long", tuple(range(3, 20)),
+                                                  SamplingParams(max_tokens=900, ignore_eos=True, temperature=0.0))):
+                seen.extend(out.new_token_ids)
+
+        task = asyncio.create_task(other())
+        while not seen:
+            await asyncio.sleep(0.01)
+        spec = GrammarSpec("json_schema", _slow_schema())
+        with pytest.raises(InvalidRequest, match="too complex"):
+            async for _ in eng.generate(Request("g", (5, 6, 7), SamplingParams(max_tokens=4, grammar=spec))):
+                pass
+        ok = GrammarSpec("json_schema", json.dumps({"enum": ["yes", "no"]}))
+        outs = [o async for o in eng.generate(Request("h", (5, 6, 7), SamplingParams(max_tokens=4, grammar=ok)))]
+        assert outs[-1].finished and outs[-1].error is None
+        await task
+        assert len(window) == 2 and window[0] > 0, window  # tokens were produced during the slow compile
+        assert len(seen) == 900
+    finally:
+        eng.shutdown()

@@ -109,6 +109,22 @@ def test_fair_share_is_an_app_argument_that_reaches_the_engines():
             AppSettings.from_args({"fair_reserve_seqs": bad})
 
 
+def test_the_structured_output_cost_bounds_are_app_arguments_that_reach_the_engine():
+    from cluster.app import AppSettings, pool_config
+    from policies.tenancy import Tenants
+
+    tenants = Tenants.from_dict({"tenants": [{"name": "a", "api_keys": ["k"]}]})
+    engine = pool_config(AppSettings.from_args({}), tenants).engine
+    assert (engine.max_schema_chars, engine.grammar_cache_bytes, engine.grammar_compile_cpu_s) == (131072, 256 << 20, 10.0)
+    engine = pool_config(AppSettings.from_args({"max_schema_chars": 1000, "grammar_cache_bytes": 1 << 20,
+                                                "grammar_compile_cpu_s": 0}), tenants).engine
+    assert (engine.max_schema_chars, engine.grammar_cache_bytes, engine.grammar_compile_cpu_s) == (1000, 1 << 20, 0)
+    for bad in ({"max_schema_chars": 0}, {"max_schema_chars": "1000"}, {"grammar_cache_bytes": 0.5},
+                {"grammar_compile_cpu_s": -1}, {"grammar_compile_cpu_s": "10"}, {"grammar_compile_cpu_s": True}):
+        with pytest.raises(ValueError, match="must be an? (integer|number) >= "):
+            AppSettings.from_args(bad)
+
+
 def test_the_idle_spill_of_hot_groups_is_an_app_argument_that_reaches_the_router():
     from cluster.app import AppSettings, pool_config
     from policies.tenancy import Tenants

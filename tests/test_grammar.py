@@ -102,7 +102,7 @@ def test_grammar_cache_is_lru_and_rejects_bad_schemas(tiny_model):
     for s in specs:
         cache.compile(s)
     cache.compile(specs[2])
-    assert cache.stats == {"compiled": 3, "hits": 1} and len(cache._compiled) == 2
+    assert cache.stats == {"compiled": 3, "hits": 1, "refused": 0} and len(cache._compiled) == 2
     cache.compile(specs[0])  # evicted: compiled again
     assert cache.stats["compiled"] == 4
     for bad in ('{"type": "objectx"}', "[1, 2", '{"type": "object", "properties": {"a": {"type": "strin"}}}'):
@@ -129,3 +129,65 @@ def test_a_grammar_that_can_only_end_ends_before_min_tokens(tiny_model):
                                                                           temperature=0.0, grammar=spec))])["i"]
     assert outs[-1].error is None and len(ids(outs)) >= 6
     assert eng.pool.num_free_blocks() == eng.pool.num_blocks
+
+
+def _slow_schema(n: int = 1500) -> str:
+    """n optional string properties: xgrammar's compile grows much faster than the schema (2,000 of
+    them, 98 KB, took 204 CPU-seconds with the default model's tokenizer)."""
+    return json.dumps({"type": "object", "properties": {f"field_{i}_{'x' * (i % 7)}": {"type": "string", "maxLength": 20}
+                                                        for i in range(n)}})
+
+
+def test_a_schema_past_the_compile_budget_is_refused_and_the_next_one_compiles(tiny_model):
+    cache = GrammarCache(tiny_model.tokenizer, 512, {2}, compile_cpu_s=1)
+    try:
+        small = GrammarSpec("json_schema", json.dumps(S(a=BOOL)))
+        assert cache.compile(small) is not None
+        with pytest.raises(InvalidRequest, match="too complex: its grammar did not compile within 1 CPU-seconds") as e:
+            cache.compile(GrammarSpec("json_schema", _slow_schema()))
+        assert e.value.param == "response_format"
+        assert cache._child.stats == {"started": 1, "over_budget": 1} and cache.stats["refused"] == 1
+        other = GrammarSpec("json_schema", json.dumps(S(b=INT)))
+        m = cache.matcher(other)  # a new child compiles it; the grammar works in this process
+        assert m.accept_string('{"b": 7}') and not m.accept_string('}') and m.accept_token(2) and m.is_terminated()
+        assert cache._child.stats["started"] == 2 and cache.cached(small) is not None  # kept across the restart
+    finally:
+        cache.close()
+    assert cache._child is None
+
+
+def test_schema_length_and_grammar_memory_are_bounded(tiny_model):
+    spec = GrammarSpec("json_schema", json.dumps(S(**{f"k{i}": BOOL for i in range(8)})))
+    with pytest.raises(InvalidRequest, match=f"has {len(spec.schema)} characters; this server compiles schemas of at most 100$") as e:
+        GrammarCache(tiny_model.tokenizer, 512, {2}, max_schema_chars=100, compile_cpu_s=0).compile(spec)
+    assert e.value.param == "response_format"
+    cache = GrammarCache(tiny_model.tokenizer, 512, {2}, compile_cpu_s=0)
+    one = cache.compile(spec)
+    size = one.memory_size_bytes
+    assert size > 0 and cache.bytes == size
+    with pytest.raises(InvalidRequest, match="MiB of token masks"):  # larger than the whole budget: not kept
+        GrammarCache(tiny_model.tokenizer, 512, {2}, max_bytes=size - 1, compile_cpu_s=0).compile(spec)
+    # kept within max_bytes: the least recently used go first, never the one just compiled
+    cache = GrammarCache(tiny_model.tokenizer, 512, {2}, max_bytes=int(2.5 * size), compile_cpu_s=0)
+    specs = [GrammarSpec("json_schema", json.dumps(S(**{f"{c}{i}": BOOL for i in range(8)}))) for c in "abcd"]
+    for s in specs:
+        cache.compile(s)
+    assert cache.bytes <= cache.max_bytes and [cache.cached(s) is not None for s in specs] == [False, False, True, True]
+
+
+def test_an_idle_compile_child_exits_and_the_next_compile_starts_another(tiny_model):
+    from engine.grammar_compile import CompileProcess
+
+    info = GrammarCache(tiny_model.tokenizer, 512, {2})._get_info().serialize_json()
+    child = CompileProcess(info, cpu_s=5, idle_s=0.5)
+    try:
+        assert child.compile(json.dumps(S(a=BOOL)), 1 << 30)[0] == "ok"
+        first = child._proc
+        assert first.wait(timeout=30) == 0  # exited by itself once idle
+        kind, _ = child.compile(json.dumps(S(b=BOOL)), 1 << 30)
+        assert kind == "ok" and child.stats == {"started": 2, "over_budget": 0}
+        assert child.compile('{"type": "nope"}', 1 << 30)[0] == "error"  # xgrammar's refusal is no restart
+        assert child.compile(json.dumps(S(c=BOOL)), 1)[0] == "too_big" and child.stats["started"] == 2
+    finally:
+        child.close()
+    assert child.pid is None

@@ -156,3 +156,22 @@ def test_a_client_that_went_away_is_a_quiet_499_not_an_internal_error(caplog):
             assert err.status == 499 and err.code == "client_closed_request"
         assert _as_api_error(RuntimeError("boom")).status == 500  # a real failure stays one, logged
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["request failed"]
+
+
+async def test_a_schema_too_costly_to_compile_is_a_400_and_the_worker_goes_on(tiny_model, monkeypatch):
+    from tests.test_grammar import _slow_schema
+
+    app, _, engine = make_ingress(tiny_model, monkeypatch, grammar_compile_cpu_s=1, max_schema_chars=120_000)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                                     base_url="http://test", timeout=120) as client:
+            for schema, match in ((_slow_schema(), "too complex"), (_slow_schema(4000), "characters")):
+                r = await client.post("/v1/chat/completions", headers=AUTH, json={
+                    "model": TINY, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": json.loads(schema)}}})
+                assert r.status_code == 400, r.text[:300]
+                err = r.json()["error"]
+                assert err["param"] == "response_format" and match in err["message"], err
+            await normal_request_works(client, engine)
+    finally:
+        engine.shutdown()

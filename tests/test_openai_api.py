@@ -414,6 +414,7 @@ def test_json_object_and_completions_response_format(smol):
                                 extra_body={"response_format": {"type": "json_schema",
                                                                 "json_schema": {"name": "c", "schema": schema}}})
     jsonschema.validate(json.loads(c.choices[0].text), schema)
-    with pytest.raises(openai.BadRequestError):  # a schema the grammar compiler rejects
+    with pytest.raises(openai.BadRequestError) as e:  # a schema the grammar compiler (on the worker) rejects
         smol.chat.completions.create(model="default", messages=MSGS, max_tokens=4, response_format={
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "no-such-type"}}})
+    assert e.value.param == "response_format"  # the engine's field, kept across Ray
