@@ -13,7 +13,8 @@ default model's 49k vocabulary an enum of 5,000 values took 0.11 CPU-s and 0.9 M
 masks, one of 20,000 4.6 s and 100 MB, and 2,000 optional string properties (98 KB) 204 s. So:
 a schema longer than ``max_schema_chars`` is refused before compiling; a schema is compiled here
 only once a child process compiled it within ``compile_cpu_s`` CPU-seconds (the kernel ends the
-child past them: engine/grammar_compile.py; 0 compiles here at once, unbounded); compiled grammars are kept within ``max_bytes`` (their
+child past them: engine/grammar_compile.py; 0 compiles here at once, unbounded), and a schema
+refused for that is refused again at once (the last ``MAX_TOO_COSTLY``, by digest); compiled grammars are kept within ``max_bytes`` (their
 ``memory_size_bytes``) and ``max_entries``, and one larger than ``max_bytes`` alone is refused.
 The async engine waits for a compile on a thread of its own, so a compile never holds up the
 engine's steps for other requests; the cache is safe to use from both threads.
@@ -21,6 +22,7 @@ engine's steps for other requests; the cache is safe to use from both threads.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
@@ -56,6 +58,7 @@ def _tokenizer_info(tokenizer, vocab_size: int, eos_ids: set[int]):
 MAX_SCHEMA_CHARS = 128 * 1024  # OpenAI bounds schemas too (properties, enum values, name lengths)
 MAX_GRAMMAR_BYTES = 256 << 20  # compiled grammars kept per engine (their token masks)
 COMPILE_CPU_S = 10.0  # CPU-seconds one schema may take to compile (engine/grammar_compile.py)
+MAX_TOO_COSTLY = 1024  # schemas remembered as past that budget (refused again without a compile)
 
 
 class GrammarCache:
@@ -74,6 +77,8 @@ class GrammarCache:
         self._lock = threading.Lock()
         self._compiled: OrderedDict[GrammarSpec, tuple[object, int]] = OrderedDict()  # spec -> (grammar, bytes)
         self.bytes = 0
+        # digests of schemas refused for their compile's cost: refused again at once, not recompiled
+        self._too_costly: OrderedDict[bytes, str] = OrderedDict()
         self.stats = {"compiled": 0, "hits": 0, "refused": 0}
 
     def _get_info(self):
@@ -160,11 +165,20 @@ class GrammarCache:
             json.loads(schema)
         except ValueError as e:
             raise self._refuse(f"the JSON schema is not valid JSON: {e}") from None
+        digest = hashlib.sha256(schema.encode("utf-8", "surrogatepass")).digest()
+        with self._lock:
+            known = self._too_costly.get(digest)
+        if known is not None:
+            raise self._refuse(known)
         try:
             kind, compiled = self._compile_checked(schema) if self.compile_cpu_s > 0 else self._compile_here(schema)
-        except InvalidRequest:
+        except InvalidRequest as e:
             with self._lock:
                 self.stats["refused"] += 1
+                if getattr(e, "over_cpu", False):
+                    self._too_costly[digest] = str(e)
+                    while len(self._too_costly) > MAX_TOO_COSTLY:
+                        self._too_costly.popitem(last=False)
             raise
         if kind == "error":
             msg = _SOURCE_PREFIX.sub("", compiled.splitlines()[-1])  # xgrammar's "[hh:mm:ss] /src.cc:123: "

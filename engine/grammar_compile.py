@@ -65,7 +65,8 @@ def _serve(conn_in: Connection, conn_out: Connection, cpu_s: float, idle_s: floa
         schema, max_bytes = msg
         ru = resource.getrusage(resource.RUSAGE_SELF)
         soft = int(ru.ru_utime + ru.ru_stime + cpu_s) + 1  # whole seconds: SIGXCPU past it
-        resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.getrlimit(resource.RLIMIT_CPU)[1]))
+        hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+        resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
         try:
             # compact JSON (no free whitespace): a small model cannot loop on blanks
             compiled = compiler.compile_json_schema(schema, any_whitespace=False)
@@ -144,8 +145,10 @@ class CompileProcess:
             self._stop()
             self.stats["over_budget"] += 1
         limit = f"{self.wall_s:g} s" if over_wall else f"{self.cpu_s:g} CPU-seconds"
-        raise InvalidRequest(f"the JSON schema is too complex: its grammar did not compile within {limit}",
+        err = InvalidRequest(f"the JSON schema is too complex: its grammar did not compile within {limit}",
                              param="response_format")
+        err.over_cpu = not over_wall  # the schema's own cost (a wall-clock miss may be the machine's load)
+        raise err
 
     def _exited_idle(self) -> bool:
         """The child ended by itself (exit 0: idle), not by a signal (its CPU limit)."""

@@ -147,6 +147,10 @@ def test_a_schema_past_the_compile_budget_is_refused_and_the_next_one_compiles(t
             cache.compile(GrammarSpec("json_schema", _slow_schema()))
         assert e.value.param == "response_format"
         assert cache._child.stats == {"started": 1, "over_budget": 1} and cache.stats["refused"] == 1
+        with pytest.raises(InvalidRequest, match="too complex") as again:  # remembered: no second compile
+            cache.compile(GrammarSpec("json_schema", _slow_schema()))
+        assert again.value.param == "response_format" and cache.stats["refused"] == 2
+        assert cache._child.stats == {"started": 1, "over_budget": 1} and cache._child._proc is None
         other = GrammarSpec("json_schema", json.dumps(S(b=INT)))
         m = cache.matcher(other)  # a new child compiles it; the grammar works in this process
         assert m.accept_string('{"b": 7}') and not m.accept_string('}') and m.accept_token(2) and m.is_terminated()
