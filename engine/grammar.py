@@ -14,8 +14,9 @@ masks, one of 20,000 4.6 s and 100 MB, and 2,000 optional string properties (98 
 a schema longer than ``max_schema_chars`` is refused before compiling; a schema is compiled here
 only once a child process compiled it within ``compile_cpu_s`` CPU-seconds (the kernel ends the
 child past them: engine/grammar_compile.py; 0 compiles here at once, unbounded), and a schema
-refused for that is refused again at once (the last ``MAX_TOO_COSTLY``, by digest); compiled grammars are kept within ``max_bytes`` (their
-``memory_size_bytes``) and ``max_entries``, and one larger than ``max_bytes`` alone is refused.
+refused for that is refused again at once (the last ``MAX_TOO_COSTLY``, by digest); compiled
+grammars are kept within ``max_bytes`` (their ``memory_size_bytes``) and ``max_entries``, and one
+larger than ``max_bytes`` alone is refused.
 The async engine waits for a compile on a thread of its own, so a compile never holds up the
 engine's steps for other requests; the cache is safe to use from both threads.
 """

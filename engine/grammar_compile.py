@@ -10,10 +10,9 @@ refused (``InvalidRequest``, param ``response_format``) and the next compile sta
 The child and the worker's compile thread run at niceness +5 (``NICE``): on a busy worker a
 costly schema waits for idle CPU instead of slowing every other request's steps, and a
 wall-clock limit (``WALL_PER_CPU_S`` per CPU-second) backs the CPU limit up for a child starved
-of CPU. A schema that compiled within the
-budget is compiled again in the worker (xgrammar's serialized grammar is no way back: 789 MB of
-JSON and 59 s for that 32 KB schema's 5 MB of token masks), so an accepted schema costs its
-compile twice and a refused one at most ``cpu_s``. The child loads xgrammar and with it torch
+of CPU. A schema that compiled within the budget is compiled again in the worker (xgrammar's
+serialized grammar is no way back: 789 MB of JSON and 59 s for that 32 KB schema's 5 MB of token
+masks), so an accepted schema costs its compile twice and a refused one at most ``cpu_s``. The child loads xgrammar and with it torch
 (~260 MB): it exits after ``IDLE_EXIT_S`` without a compile, and the next compile starts a new
 one (~2.5 s).
 """
@@ -32,6 +31,7 @@ WALL_PER_CPU_S = 10.0  # the wall-clock backstop, per second of CPU budget (at l
 MIN_WALL_S = 30.0
 IDLE_EXIT_S = 600.0  # an idle child exits (xgrammar loads torch: ~260 MB); the next compile starts one
 NICE = 5  # compiles yield the CPU to the engine's steps: the schema's sender waits, not the others
+_ROOT = Path(__file__).resolve().parents[1]  # the directory holding the ``engine`` package
 
 
 def lower_priority(n: int = NICE) -> None:
@@ -41,7 +41,6 @@ def lower_priority(n: int = NICE) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + n))
     except (OSError, AttributeError):
         pass
-_ROOT = Path(__file__).resolve().parents[1]  # the directory holding the ``engine`` package
 
 
 def _serve(conn_in: Connection, conn_out: Connection, cpu_s: float, idle_s: float = IDLE_EXIT_S) -> None:
