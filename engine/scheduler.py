@@ -295,12 +295,14 @@ class Scheduler:
             else:
                 n = min(n, max(1, budget - reserve))
             upto = len(hit) * self.kv.block_size + n
-            if self.kv.blocks_needed(seq, upto, hit) > self.kv.pool.num_free_blocks() and not (
-                    cfg.fair_share and cfg.fair_preempt and self._make_room(seq, upto, hit, prio, out, scheduled, admitted)):
-                passed.append(seq)  # (also for held_back: no room)
-                if self._bypassed.get(seq, 0) >= cfg.max_bypass:
-                    break  # passed over often enough: it goes next, nothing behind it goes first
-                continue
+            if self.kv.blocks_needed(seq, upto, hit) > self.kv.pool.num_free_blocks():
+                if not (cfg.fair_share and cfg.fair_preempt and self._make_room(seq, upto, hit, prio, out, scheduled,
+                                                                                admitted)):
+                    passed.append(seq)  # (also for held_back: no room)
+                    if self._bypassed.get(seq, 0) >= cfg.max_bypass:
+                        break  # passed over often enough: it goes next, nothing behind it goes first
+                    continue
+                budget = cfg.max_num_batched_tokens - sum(k for _, k in out)  # the preempted rows' tokens return
             if any(self._bypassed.get(p, 0) >= cfg.max_bypass for p in passed):
                 break  # one passed over often enough goes next
             self.waiting.remove(seq)
@@ -308,7 +310,6 @@ class Scheduler:
             for p in passed:
                 self._bypassed[p] = self._bypassed.get(p, 0) + 1
                 self.num_bypasses += 1
-            budget = cfg.max_num_batched_tokens - sum(k for _, k in out)  # a preemption for room returns some
             self.kv.admit(seq, hit)
             self.kv.grow(seq, seq.num_computed + n)
             seq.status = SequenceStatus.RUNNING
